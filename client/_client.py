@@ -1,0 +1,233 @@
+"""The client a prefill or decode worker holds: contracts, push, pull (with confirm), cancel.
+
+    c = HandoffClient("127.0.0.1:50051")
+    c.push("demo-hybrid", "req-42", position=17, tensors={name: array, ...})   # prefill side
+    h = c.pull("demo-hybrid", "req-42", timeout=30)                             # decode side
+
+What each call guarantees afterwards:
+- `push` returns only when the broker has checked every byte and made the hand-off visible; if it raises, the
+  broker holds nothing of this push. The arrays are checked first with the contract's own rules and never cast.
+- `pull` returns only arrays that are whole, checksummed chunk by chunk, match the hand-off's digest, and whose
+  claim the broker has confirmed; the broker has then forgotten the hand-off. If it raises before the confirm,
+  the hand-off stays with the broker for the next pull. The arrays own their memory.
+- Every failure is a `HandoffError` subclass, the same one whichever side found the fault.
+
+Only grpcio, protobuf, numpy, ml_dtypes, crc32c and grpcio-status are needed here: a decode worker does not install
+the broker's own dependencies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from ._contract import Contract, Handoff, TensorSpans
+from ._errors import BadChunk, DigestMismatch, FingerprintMismatch, HandoffError, MalformedRequest, from_rpc_error
+from ._frames import ChunkFrame, crc32c, encode_chunk, handoff_digest
+from ._proto import handoff_pb2 as pb
+from ._wire import contract_from_proto, decode_pull_response, identity, method_path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+"""Payload bytes per chunk: large enough that per-message cost vanishes, small enough to pipeline (measured best)."""
+
+DEFAULT_TIMEOUT = 60.0
+"""Seconds a call may take, end to end, unless the caller says otherwise."""
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest message either side accepts: a chunk of up to this size minus its few header bytes."""
+
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What the broker holds after a push."""
+
+    handoff_id: str
+    bytes: int
+    chunks: int
+    digest: str
+    duplicate: bool
+
+
+class HandoffClient:
+    """A connection to one broker. Thread-safe: one client may serve many concurrent pushes and pulls."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout: float = DEFAULT_TIMEOUT,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: tuple[tuple[str, object], ...] = (),
+    ) -> None:
+        if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
+            raise ValueError(f"chunk_bytes must be in 1..{MAX_MESSAGE_BYTES - 1024}, got {chunk_bytes}")
+        self.target = target
+        self.chunk_bytes = chunk_bytes
+        self.timeout = timeout
+        all_options = CHANNEL_OPTIONS + tuple(options)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=all_options)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=all_options)
+        self._contracts: dict[str, Contract] = {}
+        self._list = self._channel.unary_unary(
+            method_path("ListContracts"),
+            request_serializer=pb.ListContractsRequest.SerializeToString,
+            response_deserializer=pb.ListContractsResponse.FromString,
+        )
+        self._get = self._channel.unary_unary(
+            method_path("GetContract"),
+            request_serializer=pb.GetContractRequest.SerializeToString,
+            response_deserializer=pb.Contract.FromString,
+        )
+        self._push = self._channel.stream_unary(
+            method_path("PushHandoff"), request_serializer=identity, response_deserializer=pb.PushResponse.FromString
+        )
+        self._pull = self._channel.unary_stream(
+            method_path("PullHandoff"),
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=decode_pull_response,
+        )
+        self._confirm = self._channel.unary_unary(
+            method_path("ConfirmHandoff"),
+            request_serializer=pb.ConfirmRequest.SerializeToString,
+            response_deserializer=pb.ConfirmResponse.FromString,
+        )
+        self._cancel = self._channel.unary_unary(
+            method_path("CancelHandoff"),
+            request_serializer=pb.CancelRequest.SerializeToString,
+            response_deserializer=pb.CancelResponse.FromString,
+        )
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> HandoffClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- contracts ----------------------------------------------------------------------------------------------------
+
+    def list_contracts(self, *, timeout: float | None = None) -> list[Contract]:
+        """The contracts the broker serves."""
+        response = self._call(self._list, pb.ListContractsRequest(), timeout)
+        contracts = [self._accept_contract(message) for message in response.contracts]
+        return contracts
+
+    def get_contract(self, model: str, *, timeout: float | None = None, refresh: bool = False) -> Contract:
+        """The broker's contract for `model`, fetched once and kept."""
+        if refresh or model not in self._contracts:
+            self._accept_contract(self._call(self._get, pb.GetContractRequest(model=model), timeout))
+        return self._contracts[model]
+
+    def _accept_contract(self, message: pb.Contract) -> Contract:
+        contract = contract_from_proto(message)
+        if contract.fingerprint != message.fingerprint:
+            # The broker computes fingerprints differently: a different release. Refuse rather than guess.
+            raise FingerprintMismatch(contract.model, message.fingerprint, contract.fingerprint)
+        self._contracts[contract.model] = contract
+        return contract
+
+    # -- prefill side -------------------------------------------------------------------------------------------------
+
+    def push(
+        self,
+        model: str,
+        handoff_id: str,
+        position: int,
+        tensors: Mapping[str, np.ndarray],
+        *,
+        timeout: float | None = None,
+    ) -> PushResult:
+        """Hand the carried tensors after `position` tokens to the broker under `handoff_id`.
+
+        Extra entries in `tensors` are ignored; the carried ones must be exactly as declared.
+        """
+        contract = self.get_contract(model)
+        handoff = contract.take(position, tensors)
+        header = pb.PushRequest(
+            header=pb.PushHeader(model=model, handoff_id=handoff_id, position=position, fingerprint=contract.fingerprint)
+        ).SerializeToString()
+        response = self._call(self._push, self._push_frames(contract, header, handoff), timeout)
+        return PushResult(response.handoff_id, response.bytes, response.chunks, response.digest, response.duplicate)
+
+    def _push_frames(self, contract: Contract, header: bytes, handoff: Handoff) -> Iterator[bytes]:
+        yield header
+        for carried in contract.carried:
+            array = np.ascontiguousarray(handoff.state[carried.name])
+            payload = memoryview(array.reshape(-1).view(np.uint8))
+            for offset in range(0, carried.nbytes, self.chunk_bytes):
+                yield encode_chunk(carried.name, offset, payload[offset : offset + self.chunk_bytes])
+
+    # -- decode side --------------------------------------------------------------------------------------------------
+
+    def pull(self, model: str, handoff_id: str, *, timeout: float | None = None) -> Handoff:
+        """Claim the hand-off (waiting up to `timeout` for its push), receive it whole, verify it, confirm it."""
+        contract = self.get_contract(model)
+        deadline = self.timeout if timeout is None else timeout
+        stream = self._pull(pb.PullRequest(model=model, handoff_id=handoff_id), timeout=deadline)
+        try:
+            header, handoff = self._receive(contract, handoff_id, stream)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        except BaseException:
+            stream.cancel()  # the broker returns the claim at once, for the next pull
+            raise
+        self._call(self._confirm, pb.ConfirmRequest(model=model, handoff_id=handoff_id, claim=header.claim), timeout)
+        return handoff
+
+    def _receive(self, contract: Contract, handoff_id: str, stream: Iterator) -> tuple[pb.PullHeader, Handoff]:
+        model = contract.model
+        header = next(stream, None)
+        if not isinstance(header, pb.PullHeader):
+            raise MalformedRequest("the broker's pull stream did not start with a header", model)
+        if header.fingerprint != contract.fingerprint:
+            raise FingerprintMismatch(model, header.fingerprint, contract.fingerprint)
+        arrays = [np.empty(c.shape, c.numpy_dtype) for c in contract.carried]
+        flats = [a.reshape(-1).view(np.uint8) for a in arrays]
+        spans = [TensorSpans(model, c) for c in contract.carried]
+        entries: list[tuple[int, int, int, int]] = []
+        for message in stream:
+            if isinstance(message, ChunkFrame):
+                index = contract.index(message.tensor)
+                length = len(message.data)
+                spans[index].add(message.offset, length)
+                if crc32c(message.data) != message.crc32c:
+                    raise BadChunk(model, message.tensor, message.offset, length, "fails its CRC32C on arrival")
+                flats[index][message.offset : message.offset + length] = np.frombuffer(message.data, np.uint8)
+                entries.append((index, message.offset, length, message.crc32c))
+            elif isinstance(message, pb.PullEnd):
+                for tensor_spans in spans:
+                    tensor_spans.check_complete()
+                got = handoff_digest(entries)
+                if got != message.digest:
+                    raise DigestMismatch(model, handoff_id, message.digest, got)
+                state = {c.name: a for c, a in zip(contract.carried, arrays)}
+                return header, Handoff(header.position, state)
+            else:
+                raise MalformedRequest("the broker's pull stream sent a second header", model)
+        raise MalformedRequest("the broker's pull stream ended without its end message", model)
+
+    def cancel(self, model: str, handoff_id: str, *, timeout: float | None = None) -> bool:
+        """Free the hand-off wherever it is (router abort); True if there was one to free."""
+        return self._call(self._cancel, pb.CancelRequest(model=model, handoff_id=handoff_id), timeout).cancelled
+
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float | None) -> object:
+        try:
+            return method(request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None

@@ -1,0 +1,265 @@
+"""A model's contract, and the rules a hand-off must meet to be one of its hand-offs.
+
+This is the design card's `Contract`, `Carried`, `Handoff` and `check`, kept to the letter: a hand-off is refused,
+by name, when it carries a tensor the contract does not (UnknownTensor), leaves one out (MissingTensor), holds one of
+the wrong size (WrongLength), or stands at a position whose next row the cache lacks (PositionOutOfRange). The client
+applies these rules to whole arrays before it sends; the broker applies the same rules, chunk by chunk, with
+`TensorSpans`, as bytes arrive. One implementation, one set of messages.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from ._dtypes import DTYPES, numpy_dtype
+from ._errors import BadChunk, MissingTensor, PositionOutOfRange, UnknownTensor, WrongLayout, WrongLength
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+"""What a model name may be: a Hugging Face repo id fits (`meta-llama/Llama-3.1-8B`); no spaces or control bytes."""
+
+
+class ManifestError(ValueError):
+    """A manifest that is not a contract; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Carried:
+    """One tensor a decode step carries: its name, its layer, its declared shape and element type."""
+
+    name: str
+    layer: int
+    rows: int
+    cols: int
+    dtype: str
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return numpy_dtype(self.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def values(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.values * self.numpy_dtype.itemsize
+
+    def layout(self) -> str:
+        return f"({self.rows}, {self.cols}) {self.dtype}"
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A prompt's state after `position` tokens: each carried tensor's values by name, shaped as declared."""
+
+    position: int
+    state: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Contract:
+    """The state a model's decode step carries over a cache of `ctx` positions, layer by layer."""
+
+    model: str
+    ctx: int
+    hidden: int
+    carried: tuple[Carried, ...]
+    _index: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {c.name: i for i, c in enumerate(self.carried)})
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 of the canonical JSON of everything the contract states: equal fingerprints, equal contracts."""
+        canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one hand-off: what a push reserves."""
+        return sum(c.nbytes for c in self.carried)
+
+    def index(self, name: str) -> int:
+        """The position of `name` in contract order; UnknownTensor if the contract does not carry it."""
+        try:
+            return self._index[name]
+        except KeyError:
+            raise UnknownTensor(self.model, name) from None
+
+    def tensor(self, name: str) -> Carried:
+        return self.carried[self.index(name)]
+
+    def of_layer(self, layer: int) -> Iterator[Carried]:
+        """The carried tensors of layer `layer`."""
+        return (c for c in self.carried if c.layer == layer)
+
+    def check_position(self, position: int) -> None:
+        """A decode after `position` tokens writes row position + 1, so the cache must have it."""
+        if position >= self.ctx:
+            raise PositionOutOfRange(self.model, position, self.ctx)
+
+    def check(self, handoff: Handoff) -> None:
+        """Whether `handoff` is this contract's: every carried tensor, as declared, nothing else, a next row."""
+        for name in sorted(handoff.state):
+            self.index(name)
+        for carried in self.carried:
+            array = handoff.state.get(carried.name)
+            if array is None:
+                raise MissingTensor(self.model, carried.name)
+            check_array(self.model, carried, array)
+        self.check_position(handoff.position)
+
+    def take(self, position: int, tensors: Mapping[str, np.ndarray]) -> Handoff:
+        """The hand-off a run leaves after `position` tokens: the carried tensors out of `tensors`, checked.
+
+        Tensors the contract does not carry are left behind, as the design card's `take` does.
+        """
+        state = {}
+        for carried in self.carried:
+            if carried.name not in tensors:
+                raise MissingTensor(self.model, carried.name)
+            state[carried.name] = tensors[carried.name]
+        handoff = Handoff(position, state)
+        self.check(handoff)
+        return handoff
+
+    def to_json(self) -> dict:
+        """The contract as a manifest states it."""
+        return {
+            "model": self.model,
+            "ctx": self.ctx,
+            "hidden": self.hidden,
+            "carried": [
+                {"name": c.name, "layer": c.layer, "rows": c.rows, "cols": c.cols, "dtype": c.dtype}
+                for c in self.carried
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: object, source: str = "<manifest>") -> Contract:
+        """The contract a manifest states; ManifestError naming `source` and the field for anything amiss."""
+        return _parse_manifest(data, source)
+
+    @classmethod
+    def load(cls, path: Path) -> Contract:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"{path}: not a readable JSON manifest: {e}") from None
+        return _parse_manifest(data, str(path))
+
+
+def check_array(model: str, carried: Carried, array: np.ndarray) -> None:
+    """An array stands for `carried` only at its declared size, shape and dtype: nothing is cast or reshaped."""
+    if not isinstance(array, np.ndarray):
+        raise WrongLayout(model, carried.name, carried.layout(), f"a {type(array).__name__}, not a numpy array")
+    if array.size != carried.values:
+        itemsize = carried.numpy_dtype.itemsize
+        raise WrongLength(model, carried.name, carried.values, array.size * itemsize, carried.dtype, itemsize)
+    if array.shape != carried.shape or array.dtype != carried.numpy_dtype:
+        raise WrongLayout(model, carried.name, carried.layout(), f"{array.shape} {array.dtype}")
+
+
+class TensorSpans:
+    """The byte ranges of one tensor received so far, kept disjoint, so a hand-off is complete exactly when every
+    tensor's ranges add up to its size. Used by the broker on a push and by the client on a pull."""
+
+    __slots__ = ("carried", "model", "received", "_starts", "_ends")
+
+    def __init__(self, model: str, carried: Carried) -> None:
+        self.model = model
+        self.carried = carried
+        self.received = 0
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, offset: int, length: int) -> None:
+        """Record bytes [offset, offset + length); BadChunk if they are empty, past the end, or already received."""
+        name, size = self.carried.name, self.carried.nbytes
+        if length == 0:
+            raise BadChunk(self.model, name, offset, length, "is empty")
+        if offset + length > size:
+            raise BadChunk(self.model, name, offset, length, f"runs past the tensor's {size} bytes ({self.carried.layout()})")
+        at = bisect.bisect_right(self._starts, offset)
+        if (at > 0 and self._ends[at - 1] > offset) or (at < len(self._starts) and self._starts[at] < offset + length):
+            raise BadChunk(self.model, name, offset, length, "overlaps bytes already received")
+        self._starts.insert(at, offset)
+        self._ends.insert(at, offset + length)
+        self.received += length
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.carried.nbytes
+
+    def check_complete(self) -> None:
+        """At the end of a stream: the tensor came whole (MissingTensor if not at all, WrongLength if in part)."""
+        if self.received == 0:
+            raise MissingTensor(self.model, self.carried.name)
+        if not self.complete:
+            c = self.carried
+            raise WrongLength(self.model, c.name, c.values, self.received, c.dtype, c.numpy_dtype.itemsize)
+
+
+def _parse_manifest(data: object, source: str) -> Contract:
+    def fail(where: str, why: str) -> ManifestError:
+        return ManifestError(f"{source}: {where}: {why}")
+
+    def expect_int(obj: dict, key: str, where: str, least: int) -> int:
+        value = obj.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise fail(where, f"must be an integer >= {least}, got {value!r}")
+        return value
+
+    def expect_keys(obj: object, where: str, keys: set[str]) -> dict:
+        if not isinstance(obj, dict):
+            raise fail(where, f"must be a JSON object, got {type(obj).__name__}")
+        if missing := sorted(keys - obj.keys()):
+            raise fail(where, f"lacks {', '.join(missing)}")
+        if extra := sorted(obj.keys() - keys):
+            raise fail(f"{where}.{extra[0]}", f"is not a contract field (fields: {', '.join(sorted(keys))})")
+        return obj
+
+    top = expect_keys(data, "manifest", {"model", "ctx", "hidden", "carried"})
+    model = top["model"]
+    if not isinstance(model, str) or not MODEL_NAME.fullmatch(model):
+        raise fail("model", f"must be a name of letters, digits and ._:/@+- (at most 128), got {model!r}")
+    ctx = expect_int(top, "ctx", "ctx", 1)
+    hidden = expect_int(top, "hidden", "hidden", 1)
+    entries = top["carried"]
+    if not isinstance(entries, list) or not entries:
+        raise fail("carried", "must be a non-empty list of carried tensors")
+    carried: list[Carried] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        where = f"carried[{i}]"
+        entry = expect_keys(entry, where, {"name", "layer", "rows", "cols", "dtype"})
+        name = entry["name"]
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise fail(f"{where}.name", f"must be a non-empty string of at most 256 characters, got {name!r}")
+        if name in seen:
+            raise fail(f"{where}.name", f"`{name}` is declared twice; a contract lists each carried tensor once")
+        seen.add(name)
+        layer = expect_int(entry, "layer", f"{where}.layer", 0)
+        if carried and layer < carried[-1].layer:
+            raise fail(f"{where}.layer", f"{layer} comes after layer {carried[-1].layer}; list tensors in layer order")
+        rows = expect_int(entry, "rows", f"{where}.rows", 1)
+        cols = expect_int(entry, "cols", f"{where}.cols", 1)
+        dtype = entry["dtype"]
+        if dtype not in DTYPES:
+            raise fail(f"{where}.dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+        carried.append(Carried(name, layer, rows, cols, dtype))
+    return Contract(model, ctx, hidden, tuple(carried))

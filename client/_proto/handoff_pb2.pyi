@@ -1,0 +1,213 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    UNKNOWN_TENSOR: _ClassVar[ErrorReason]
+    MISSING_TENSOR: _ClassVar[ErrorReason]
+    WRONG_LENGTH: _ClassVar[ErrorReason]
+    WRONG_LAYOUT: _ClassVar[ErrorReason]
+    BAD_CHUNK: _ClassVar[ErrorReason]
+    POSITION_OUT_OF_RANGE: _ClassVar[ErrorReason]
+    MALFORMED_REQUEST: _ClassVar[ErrorReason]
+    UNKNOWN_MODEL: _ClassVar[ErrorReason]
+    UNKNOWN_HANDOFF: _ClassVar[ErrorReason]
+    HANDOFF_GONE: _ClassVar[ErrorReason]
+    HANDOFF_EXISTS: _ClassVar[ErrorReason]
+    FINGERPRINT_MISMATCH: _ClassVar[ErrorReason]
+    ALREADY_CLAIMED: _ClassVar[ErrorReason]
+    STALE_CLAIM: _ClassVar[ErrorReason]
+    WAIT_TIMED_OUT: _ClassVar[ErrorReason]
+    CAPACITY_EXHAUSTED: _ClassVar[ErrorReason]
+    DRAINING: _ClassVar[ErrorReason]
+    HANDOFF_CANCELLED: _ClassVar[ErrorReason]
+    INTERNAL_ERROR: _ClassVar[ErrorReason]
+    DIGEST_MISMATCH: _ClassVar[ErrorReason]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+UNKNOWN_TENSOR: ErrorReason
+MISSING_TENSOR: ErrorReason
+WRONG_LENGTH: ErrorReason
+WRONG_LAYOUT: ErrorReason
+BAD_CHUNK: ErrorReason
+POSITION_OUT_OF_RANGE: ErrorReason
+MALFORMED_REQUEST: ErrorReason
+UNKNOWN_MODEL: ErrorReason
+UNKNOWN_HANDOFF: ErrorReason
+HANDOFF_GONE: ErrorReason
+HANDOFF_EXISTS: ErrorReason
+FINGERPRINT_MISMATCH: ErrorReason
+ALREADY_CLAIMED: ErrorReason
+STALE_CLAIM: ErrorReason
+WAIT_TIMED_OUT: ErrorReason
+CAPACITY_EXHAUSTED: ErrorReason
+DRAINING: ErrorReason
+HANDOFF_CANCELLED: ErrorReason
+INTERNAL_ERROR: ErrorReason
+DIGEST_MISMATCH: ErrorReason
+
+class Carried(_message.Message):
+    __slots__ = ("name", "layer", "rows", "cols", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    layer: int
+    rows: int
+    cols: int
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., layer: _Optional[int] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class Contract(_message.Message):
+    __slots__ = ("model", "ctx", "hidden", "carried", "fingerprint")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    ctx: int
+    hidden: int
+    carried: _containers.RepeatedCompositeFieldContainer[Carried]
+    fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., ctx: _Optional[int] = ..., hidden: _Optional[int] = ..., carried: _Optional[_Iterable[_Union[Carried, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class ListContractsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListContractsResponse(_message.Message):
+    __slots__ = ("contracts",)
+    CONTRACTS_FIELD_NUMBER: _ClassVar[int]
+    contracts: _containers.RepeatedCompositeFieldContainer[Contract]
+    def __init__(self, contracts: _Optional[_Iterable[_Union[Contract, _Mapping]]] = ...) -> None: ...
+
+class GetContractRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("tensor", "offset", "crc32c", "data")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    offset: int
+    crc32c: int
+    data: bytes
+    def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("model", "handoff_id", "position", "fingerprint")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    handoff_id: str
+    position: int
+    fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("handoff_id", "bytes", "chunks", "digest", "duplicate")
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    handoff_id: str
+    bytes: int
+    chunks: int
+    digest: str
+    duplicate: bool
+    def __init__(self, handoff_id: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., digest: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("model", "handoff_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    handoff_id: str
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ...) -> None: ...
+
+class PullHeader(_message.Message):
+    __slots__ = ("model", "handoff_id", "position", "fingerprint", "claim", "bytes", "chunks")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    handoff_id: str
+    position: int
+    fingerprint: str
+    claim: int
+    bytes: int
+    chunks: int
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., claim: _Optional[int] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+
+class PullEnd(_message.Message):
+    __slots__ = ("digest",)
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    def __init__(self, digest: _Optional[str] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("header", "chunk", "end")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    chunk: Chunk
+    end: PullEnd
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., end: _Optional[_Union[PullEnd, _Mapping]] = ...) -> None: ...
+
+class ConfirmRequest(_message.Message):
+    __slots__ = ("model", "handoff_id", "claim")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    handoff_id: str
+    claim: int
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., claim: _Optional[int] = ...) -> None: ...
+
+class ConfirmResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("model", "handoff_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    handoff_id: str
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: bool
+    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...

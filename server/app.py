@@ -1,0 +1,135 @@
+"""Assemble a broker: the store, the servicer, health and reflection, on a gRPC server bound to a port.
+
+`build_server(config)` returns a started-able server and the port it bound (port 0 picks a free one, as tests do);
+`Broker.stop(grace)` drains: health turns NOT_SERVING, new pushes and claims get UNAVAILABLE, streams in flight get
+`grace` seconds to finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from handoff_client._client import MAX_MESSAGE_BYTES
+from handoff_client._contract import Contract
+from handoff_client._wire import SERVICE_NAME
+
+from .contracts import default_contracts
+from .service import HandoffBrokerServicer, rpc_handler
+from .store import Store, StoreConfig, StoreStats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50051
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_WORKERS = 256
+"""Threads serving calls: each open stream, and each pull waiting for its push, holds one."""
+
+
+def default_max_bytes() -> int:
+    """Half the machine's physical memory: room for the hand-offs and for the Python heap around them."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Everything a broker is started with."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    contracts: dict[str, Contract] = field(default_factory=default_contracts)
+    max_bytes: int = field(default_factory=default_max_bytes)
+    ttl: float = 300.0
+    lease: float = 30.0
+    workers: int = DEFAULT_WORKERS
+    # HTTP/2 keepalive: a decoder whose connection dies without a FIN is noticed and its claim returned.
+    keepalive_seconds: float = 20.0
+    keepalive_timeout_seconds: float = 10.0
+
+
+class Broker:
+    """A running broker: its server, its store, its port."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.store = Store(config.contracts, StoreConfig(config.max_bytes, ttl=config.ttl, lease=config.lease))
+        self.health = health.HealthServicer()
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", int(config.keepalive_seconds * 1000)),
+            ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_seconds * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.so_reuseport", 0),  # a second broker on a taken port must fail, not silently share it
+        ]
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="handoff-rpc"), options=options
+        )
+        self.server.add_generic_rpc_handlers((rpc_handler(HandoffBrokerServicer(self.store)),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{_bracketed(config.host)}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {config.host}:{config.port}")
+
+    @property
+    def address(self) -> str:
+        return f"{_bracketed(self.config.host)}:{self.port}"
+
+    def start(self) -> Broker:
+        self.store.start()
+        self.server.start()
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        logger.info(
+            "serving %s on %s; %d bytes for hand-offs; ttl %ss, lease %ss",
+            ", ".join(sorted(self.config.contracts)),
+            self.address,
+            self.config.max_bytes,
+            self.config.ttl,
+            self.config.lease,
+        )
+        return self
+
+    def stop(self, grace: float = 5.0) -> StoreStats:
+        """Drain, give streams in flight `grace` seconds, stop; the stats of what was still held."""
+        self.health.enter_graceful_shutdown()
+        self.store.drain()
+        self.server.stop(grace).wait()
+        self.store.close()
+        stats = self.store.stats()
+        logger.info(
+            "stopped; %d hand-offs (%d bytes) were still held",
+            stats.receiving + stats.ready + stats.claimed,
+            stats.resident_bytes,
+        )
+        return stats
+
+    def __enter__(self) -> Broker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(grace=0.5)
+
+
+def build_server(config: BrokerConfig) -> tuple[Broker, int]:
+    """A broker bound to its port, not yet started (the port is useful when `config.port` is 0)."""
+    broker = Broker(config)
+    return broker, broker.port
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
