@@ -80,7 +80,9 @@ def encode_chunk(tensor: str, offset: int, data: bytes | memoryview, crc: int | 
     if crc is None:
         crc = crc32c(data)
     name = tensor.encode()
-    head = bytearray((_TENSOR_TAG,)) + _varint(len(name)) + name
+    head = bytearray()
+    if name:
+        head += bytes((_TENSOR_TAG,)) + _varint(len(name)) + name
     if offset:
         head += bytes((_OFFSET_TAG,)) + _varint(offset)
     if crc:

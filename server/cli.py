@@ -1,0 +1,125 @@
+"""The `handoff-broker` command: serve, demo, check-contracts."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from handoff_client._contract import ManifestError
+
+logger = logging.getLogger("handoff_broker")
+
+
+def _parse_bytes(text: str) -> int:
+    """A byte count: 1073741824, 1GiB, 512MiB, 64KiB."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "b": 1}
+    lowered = text.strip().lower()
+    for suffix, factor in units.items():
+        if lowered.endswith(suffix):
+            return int(float(lowered[: -len(suffix)]) * factor)
+    return int(lowered)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .app import BrokerConfig, build_server, default_max_bytes
+    from .contracts import default_contracts, load_contracts
+
+    try:
+        contracts = load_contracts(Path(args.contracts)) if args.contracts else default_contracts()
+    except ManifestError as e:
+        print(f"handoff-broker: cannot start: {e}", file=sys.stderr)
+        return 2
+    config = BrokerConfig(
+        host=args.host,
+        port=args.port,
+        contracts=contracts,
+        max_bytes=args.max_bytes if args.max_bytes is not None else default_max_bytes(),
+        ttl=args.ttl,
+        lease=args.lease,
+        workers=args.workers,
+    )
+    try:
+        broker, port = build_server(config)
+    except (OSError, RuntimeError) as e:
+        print(f"handoff-broker: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    broker.start()
+    print(f"handoff-broker listening on {broker.address}; max {config.max_bytes} bytes of hand-offs", flush=True)
+    stop.wait()
+    logger.info("signal received: draining for up to %ss", args.grace)
+    broker.stop(args.grace)
+    return 0
+
+
+def _check_contracts(args: argparse.Namespace) -> int:
+    from .contracts import load_contracts
+
+    try:
+        contracts = load_contracts(Path(args.folder))
+    except ManifestError as e:
+        print(f"handoff-broker: {e}", file=sys.stderr)
+        return 2
+    for model, contract in sorted(contracts.items()):
+        print(f"{model}: ctx {contract.ctx}, hidden {contract.hidden}, {len(contract.carried)} carried tensors, "
+              f"{contract.nbytes} bytes per hand-off, fingerprint {contract.fingerprint}")
+        for c in contract.carried:
+            print(f"  layer {c.layer:>3}  {c.name:<40} {c.rows:>7} x {c.cols:<6} {c.dtype:<14} {c.nbytes:>12} bytes")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="handoff-broker", description="Hands LLM decode state from prefill to decode.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the broker")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: 50051)")
+    serve.add_argument("--contracts", metavar="DIR", help="folder of *.json manifests (default: embedded demo-hybrid)")
+    serve.add_argument("--max-bytes", type=_parse_bytes, help="bytes of hand-offs held at most (default: half of RAM)")
+    serve.add_argument("--ttl", type=float, default=300.0, help="seconds an unclaimed hand-off lives (default: 300)")
+    serve.add_argument("--lease", type=float, default=30.0, help="seconds a streamed claim waits for its confirm (30)")
+    serve.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish on SIGTERM (10)")
+    serve.add_argument("--workers", type=int, default=256, help="threads serving calls (256)")
+    serve.set_defaults(run=_serve)
+
+    demo = commands.add_parser("demo", help="push and pull one hand-off between two processes through a broker")
+    from .demo import add_demo_arguments
+
+    add_demo_arguments(demo)
+    demo.set_defaults(run=_demo)
+
+    check = commands.add_parser("check-contracts", help="validate a folder of manifests and print each contract")
+    check.add_argument("folder", metavar="DIR")
+    check.set_defaults(run=_check_contracts)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        import grpc_health  # noqa: F401
+        import grpc_reflection  # noqa: F401
+    except ImportError as e:
+        print(f"handoff-broker: the broker needs its server extra (missing {e.name}): "
+              "pip install 'handoff-broker[server]'", file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Fixtures: a real broker on a loopback port, started per test and always stopped, and clients for it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from handoff_broker import Broker, BrokerConfig, build_server
+from handoff_broker.contracts import load_contracts
+from handoff_client import Contract, HandoffClient
+
+MANIFESTS = Path(__file__).parent / "manifests"
+
+
+@pytest.fixture(scope="session")
+def contracts() -> dict[str, Contract]:
+    return load_contracts(MANIFESTS)
+
+
+@pytest.fixture
+def start_broker(contracts: dict[str, Contract]) -> Iterator[Callable[..., Broker]]:
+    """Start brokers with any config overrides; every one is stopped when the test ends."""
+    started: list[Broker] = []
+
+    def start(**overrides: object) -> Broker:
+        config = BrokerConfig(**{"host": "127.0.0.1", "port": 0, "contracts": contracts, **overrides})
+        broker, _ = build_server(config)
+        started.append(broker.start())
+        return broker
+
+    yield start
+    for broker in started:
+        broker.stop(grace=0.2)
+
+
+@pytest.fixture
+def broker(start_broker: Callable[..., Broker]) -> Broker:
+    return start_broker()
+
+
+@pytest.fixture
+def client(broker: Broker) -> Iterator[HandoffClient]:
+    with HandoffClient(broker.address, timeout=20) as c:
+        yield c
+
+
+def seeded_tensors(contract: Contract, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random bits for every carried tensor (NaNs and all: a hand-off moves bits, not numbers)."""
+    rng = np.random.default_rng(seed)
+    return {
+        c.name: rng.integers(0, 256, size=c.nbytes, dtype=np.uint8).view(c.numpy_dtype).reshape(c.shape)
+        for c in contract.carried
+    }
+
+
+def bits(array: np.ndarray) -> bytes:
+    return np.ascontiguousarray(array).tobytes()
+
+
+def assert_same_bits(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        assert got[name].dtype == want[name].dtype, name
+        assert bits(got[name]) == bits(want[name]), name
+
+
+def assert_holds_nothing(broker: Broker) -> None:
+    """No hand-off in any phase, no byte reserved."""
+    stats = broker.store.stats()
+    assert (stats.receiving, stats.ready, stats.claimed, stats.resident_bytes) == (0, 0, 0, 0), stats

@@ -1,0 +1,63 @@
+"""Raw wire access for tests that must send what the client library would refuse to."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import grpc
+
+from handoff_client import Contract, HandoffError
+from handoff_client._errors import from_rpc_error
+from handoff_client._frames import encode_chunk
+from handoff_client._proto import handoff_pb2 as pb
+from handoff_client._wire import decode_pull_response, identity, method_path
+
+
+def header_frame(contract: Contract, handoff_id: str, position: int = 1, fingerprint: str | None = None) -> bytes:
+    header = pb.PushHeader(
+        model=contract.model,
+        handoff_id=handoff_id,
+        position=position,
+        fingerprint=contract.fingerprint if fingerprint is None else fingerprint,
+    )
+    return pb.PushRequest(header=header).SerializeToString()
+
+
+def chunk_frames(contract: Contract, tensors: dict, chunk_bytes: int) -> list[bytes]:
+    """Every tensor cut into chunks of `chunk_bytes` (any byte boundary), in contract order."""
+    frames = []
+    for c in contract.carried:
+        payload = memoryview(tensors[c.name].reshape(-1).view("uint8"))
+        for offset in range(0, c.nbytes, chunk_bytes):
+            frames.append(encode_chunk(c.name, offset, payload[offset : offset + chunk_bytes]))
+    return frames
+
+
+def raw_push(target: str, frames: Iterable[bytes], timeout: float = 10) -> pb.PushResponse:
+    """Send frames as they are; a failure comes back as our exception, as the client library would raise it."""
+    with grpc.insecure_channel(target) as channel:
+        push = channel.stream_unary(
+            method_path("PushHandoff"), request_serializer=identity, response_deserializer=pb.PushResponse.FromString
+        )
+        try:
+            return push(iter(frames), timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+
+def raw_pull(channel: grpc.Channel, model: str, handoff_id: str, timeout: float = 10) -> Iterator[object]:
+    """An open pull stream whose messages are decoded but not acted on (no confirm)."""
+    pull = channel.unary_stream(
+        method_path("PullHandoff"),
+        request_serializer=pb.PullRequest.SerializeToString,
+        response_deserializer=decode_pull_response,
+    )
+    return pull(pb.PullRequest(model=model, handoff_id=handoff_id), timeout=timeout)
+
+
+def raises_handoff_error(call, *args, **kwargs) -> HandoffError:
+    try:
+        call(*args, **kwargs)
+    except HandoffError as e:
+        return e
+    raise AssertionError(f"{call} did not raise")

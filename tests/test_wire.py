@@ -1,0 +1,143 @@
+"""The .proto is the single source of truth: the committed module matches it, the hand-made chunk frames are the
+bytes protoc's code writes and reads, the servicer implements every RPC, and every error reason has its class."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pb2
+from hypothesis import given
+from hypothesis import strategies as st
+
+from handoff_broker.service import HandoffBrokerServicer
+from handoff_client import _errors
+from handoff_client._frames import ChunkFrame, crc32c, decode_chunk, encode_chunk
+from handoff_client._proto import handoff_pb2 as pb
+from handoff_client._wire import SERVICE, Malformed, decode_pull_response, decode_push_request
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _drop_json_names(messages) -> None:
+    for message in messages:
+        for field in message.field:
+            field.ClearField("json_name")
+        _drop_json_names(message.nested_type)
+
+
+def test_the_committed_generated_module_matches_the_proto(tmp_path: Path):
+    from grpc_tools import protoc
+
+    descriptors = tmp_path / "handoff.desc"
+    proto = ROOT / "proto" / "handoff" / "v1" / "handoff.proto"
+    assert protoc.main(["protoc", f"-I{ROOT / 'proto'}", f"--descriptor_set_out={descriptors}", str(proto)]) == 0
+    (want,) = descriptor_pb2.FileDescriptorSet.FromString(descriptors.read_bytes()).file
+    _drop_json_names(want.message_type)  # protoc leaves them out of the generated Python module
+    have = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(have)
+    assert have == want, "client/_proto is stale: run `python scripts/generate_proto.py`"
+
+
+names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+offsets = st.integers(0, 2**64 - 1)
+crcs = st.integers(0, 2**32 - 1)
+payloads = st.binary(max_size=600)
+
+
+@given(names, offsets, crcs, payloads)
+def test_a_hand_made_chunk_frame_is_the_bytes_protobuf_writes(tensor, offset, crc, data):
+    chunk = pb.Chunk(tensor=tensor, offset=offset, crc32c=crc, data=data)
+    frame = encode_chunk(tensor, offset, data, crc)
+    assert frame == pb.PushRequest(chunk=chunk).SerializeToString()
+    assert frame == pb.PullResponse(chunk=chunk).SerializeToString()
+    assert pb.PullResponse.FromString(frame).chunk == chunk
+
+
+@given(names, offsets, crcs, payloads)
+def test_a_chunk_protobuf_writes_is_read_in_place(tensor, offset, crc, data):
+    frame = pb.PushRequest(chunk=pb.Chunk(tensor=tensor, offset=offset, crc32c=crc, data=data)).SerializeToString()
+    parsed = decode_chunk(frame)
+    assert (parsed.tensor, parsed.offset, parsed.crc32c, bytes(parsed.data)) == (tensor, offset, crc, data)
+    assert parsed.frame is frame  # no copy: the payload is a view of the received bytes
+
+
+def test_a_chunk_encoded_another_way_is_still_read_right():
+    """Fields out of order, an unknown field, a repeated field: valid protobuf that the fast path hands over."""
+    chunk = pb.Chunk(tensor="k", offset=9, crc32c=crc32c(b"abc"), data=b"abc")
+    body = chunk.SerializeToString()
+    reordered = b"\x22\x03abc" + b"\x10\x09" + b"\x0a\x01k" + b"\x1d" + chunk.crc32c.to_bytes(4, "little")
+    unknown = body + b"\x28\x01"  # field 5, varint: a field from a newer peer
+    repeated = b"\x10\x01" + body  # offset given twice: the last one wins
+    for inner in (reordered, unknown, repeated):
+        frame = b"\x12" + bytes([len(inner)]) + inner
+        parsed = decode_push_request(frame)
+        assert isinstance(parsed, ChunkFrame)
+        assert (parsed.tensor, parsed.offset, bytes(parsed.data)) == ("k", 9, b"abc")
+        assert pb.PullResponse.FromString(parsed.frame).chunk == chunk  # what a puller will be forwarded
+
+
+def test_headers_and_garbage_are_told_apart_from_chunks():
+    header = pb.PushHeader(model="m", handoff_id="r", position=3, fingerprint="f")
+    assert decode_push_request(pb.PushRequest(header=header).SerializeToString()) == header
+    assert isinstance(decode_push_request(b"\x12\xff\xff\xff"), Malformed)
+    assert isinstance(decode_push_request(b""), Malformed)
+    end = pb.PullEnd(digest="d")
+    assert decode_pull_response(pb.PullResponse(end=end).SerializeToString()) == end
+
+
+def test_the_servicer_implements_every_rpc_the_proto_declares():
+    declared = {method.name for method in SERVICE.methods}
+    assert declared == {"ListContracts", "GetContract", "PushHandoff", "PullHandoff", "ConfirmHandoff", "CancelHandoff"}
+    for name in declared:
+        assert callable(getattr(HandoffBrokerServicer, name, None)), name
+
+
+def test_every_error_reason_in_the_proto_has_its_exception_and_back():
+    declared = set(pb.ErrorReason.keys()) - {"ERROR_REASON_UNSPECIFIED"}
+    assert declared == set(_errors.BY_REASON)
+
+
+EXAMPLES = [
+    _errors.UnknownTensor("m", "t"),
+    _errors.MissingTensor("m", "t"),
+    _errors.WrongLength("m", "t", 6, 9, "float32", 4),
+    _errors.WrongLayout("m", "t", "(2, 3) float32", "(3, 2) float32"),
+    _errors.BadChunk("m", "t", 4, 8, "overlaps bytes already received"),
+    _errors.PositionOutOfRange("m", 9, 9),
+    _errors.MalformedRequest("no header", "m"),
+    _errors.UnknownModel("m", ["a", "b"]),
+    _errors.UnknownHandoff("m", "r"),
+    _errors.HandoffGone("m", "r", "expired"),
+    _errors.HandoffExists("m", "r", "differs"),
+    _errors.FingerprintMismatch("m", "aa", "bb"),
+    _errors.AlreadyClaimed("m", "r"),
+    _errors.StaleClaim("m", "r", 1, "is superseded"),
+    _errors.WaitTimedOut("m", "r", 1.5),
+    _errors.CapacityExhausted("m", 10, 5),
+    _errors.Draining(),
+    _errors.HandoffCancelled("m", "r"),
+    _errors.InternalError(),
+    _errors.DigestMismatch("m", "r", "aa", "bb"),
+]
+
+
+def test_the_examples_cover_every_reason():
+    assert {type(e).reason for e in EXAMPLES} == set(_errors.BY_REASON)
+
+
+@pytest.mark.parametrize("error", EXAMPLES, ids=lambda e: type(e).__name__)
+def test_an_error_crosses_the_wire_as_the_same_class_code_message_and_fields(error):
+    status = _errors.to_status(error)
+    assert status.code == error.code.value[0]
+    back = _errors.from_status(error.code, status.message, list(status.details))
+    assert type(back) is type(error)
+    assert (back.message, back.fields) == (error.message, error.fields)
+
+
+def test_a_status_without_our_details_maps_by_its_code():
+    assert type(_errors.from_status(grpc.StatusCode.UNAVAILABLE, "down", [])) is _errors.BrokerUnavailable
+    other = _errors.from_status(grpc.StatusCode.UNIMPLEMENTED, "nope", [])
+    assert isinstance(other, _errors.RpcFailed) and other.status is grpc.StatusCode.UNIMPLEMENTED
+
