@@ -24,9 +24,11 @@ def header_frame(contract: Contract, handoff_id: str, position: int = 1, fingerp
 
 
 def chunk_frames(contract: Contract, tensors: dict, chunk_bytes: int) -> list[bytes]:
-    """Every tensor cut into chunks of `chunk_bytes` (any byte boundary), in contract order."""
+    """Every tensor in `tensors` cut into chunks of `chunk_bytes` (any byte boundary), in contract order."""
     frames = []
     for c in contract.carried:
+        if c.name not in tensors:
+            continue
         payload = memoryview(tensors[c.name].reshape(-1).view("uint8"))
         for offset in range(0, c.nbytes, chunk_bytes):
             frames.append(encode_chunk(c.name, offset, payload[offset : offset + chunk_bytes]))
