@@ -112,7 +112,7 @@ class Broker:
         self.store.close()
         stats = self.store.stats()
         logger.info(
-            "stopped; %d hand-offs (%d bytes) were still held",
+            "stopped; %d hand-off(s) (%d bytes) were still held",
             stats.receiving + stats.ready + stats.claimed,
             stats.resident_bytes,
         )

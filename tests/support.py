@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from handoff_client import Contract, HandoffError
+from handoff_client._client import CHANNEL_OPTIONS
 from handoff_client._errors import from_rpc_error
 from handoff_client._frames import encode_chunk
 from handoff_client._proto import handoff_pb2 as pb
@@ -37,7 +38,7 @@ def chunk_frames(contract: Contract, tensors: dict, chunk_bytes: int) -> list[by
 
 def raw_push(target: str, frames: Iterable[bytes], timeout: float = 10) -> pb.PushResponse:
     """Send frames as they are; a failure comes back as our exception, as the client library would raise it."""
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target) as channel:
         push = channel.stream_unary(
             method_path("PushHandoff"), request_serializer=identity, response_deserializer=pb.PushResponse.FromString
         )
@@ -45,6 +46,11 @@ def raw_push(target: str, frames: Iterable[bytes], timeout: float = 10) -> pb.Pu
             return push(iter(frames), timeout=timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+
+
+def open_channel(target: str) -> grpc.Channel:
+    """A channel set up as the client library sets up its own."""
+    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
 
 
 def raw_pull(channel: grpc.Channel, model: str, handoff_id: str, timeout: float = 10) -> Iterator[object]:

@@ -31,7 +31,7 @@ from handoff_client import (
 )
 from handoff_client._frames import encode_chunk
 from handoff_client._proto import handoff_pb2 as pb
-from support import chunk_frames, header_frame, raises_handoff_error, raw_pull, raw_push
+from support import chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
 
 MODEL = "every-dtype"  # 9 tensors of 7 x 13, one per dtype
 F32 = "layers.1.state_float32"  # 364 bytes
@@ -189,7 +189,7 @@ def test_a_retried_push_after_delivery_is_recognised(client, contract):
 
 def test_a_second_puller_of_a_claimed_hand_off_is_refused(broker, client, contract):
     client.push(MODEL, "r", 1, seeded_tensors(contract))
-    with grpc.insecure_channel(broker.address) as channel:
+    with open_channel(broker.address) as channel:
         stream = raw_pull(channel, MODEL, "r")
         header = next(stream)  # the claim is held, not yet confirmed
         error = raises_handoff_error(client.pull, MODEL, "r", timeout=2)

@@ -1,0 +1,108 @@
+"""The `handoff-broker` command, run as a user runs it: as a separate process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import MANIFESTS, assert_same_bits, seeded_tensors
+from handoff_client import HandoffClient
+
+COMMAND = [sys.executable, "-m", "handoff_broker.cli"]
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_demo_moves_a_hand_off_between_two_processes_bit_for_bit():
+    result = run("demo")
+    assert result.returncode == 0, result.stderr
+    assert "8 tensors, 4334592 bytes, all bit-identical" in result.stdout
+    assert "broker holds 0 bytes after the confirm" in result.stdout
+    assert result.stdout.count(" yes\n") == 8
+
+
+def start_serving(*args: str) -> tuple[subprocess.Popen, str]:
+    broker = subprocess.Popen([*COMMAND, "serve", "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = broker.stdout.readline()
+    match = re.match(r"handoff-broker listening on (\S+);", line)
+    assert match, f"no listening line: {line!r} {broker.stderr.read() if broker.poll() is not None else ''}"
+    return broker, match.group(1)
+
+
+def test_serve_serves_and_stops_cleanly_on_sigterm():
+    broker, address = start_serving("--contracts", str(MANIFESTS), "--grace", "1")
+    try:
+        with HandoffClient(address) as client:
+            assert [c.model for c in client.list_contracts()] == ["demo-hybrid", "every-dtype", "wide-attention"]
+            contract = client.get_contract("every-dtype")
+            tensors = seeded_tensors(contract)
+            client.push("every-dtype", "r", 1, tensors)
+            client.push("every-dtype", "left-behind", 1, tensors)
+            assert_same_bits(client.pull("every-dtype", "r").state, tensors)
+        started = time.monotonic()
+        broker.send_signal(signal.SIGTERM)
+        assert broker.wait(timeout=15) == 0
+        assert time.monotonic() - started < 10
+        assert f"1 hand-off(s) ({contract.nbytes} bytes) were still held" in broker.stderr.read()
+    finally:
+        broker.kill()
+        broker.wait()
+
+
+def test_serve_without_contracts_serves_the_embedded_demo_model():
+    broker, address = start_serving()
+    try:
+        with HandoffClient(address) as client:
+            assert [c.model for c in client.list_contracts()] == ["demo-hybrid"]
+    finally:
+        broker.send_signal(signal.SIGINT)
+        assert broker.wait(timeout=15) == 0
+
+
+def test_a_bad_manifest_stops_the_start_naming_the_file_and_field(tmp_path: Path):
+    manifest = json.loads((MANIFESTS / "every-dtype.json").read_text())
+    manifest["carried"][2]["rows"] = 0
+    (tmp_path / "broken.json").write_text(json.dumps(manifest))
+    result = run("serve", "--port", "0", "--contracts", str(tmp_path), timeout=30)
+    assert result.returncode == 2
+    assert f"{tmp_path / 'broken.json'}: carried[2].rows: must be an integer >= 1, got 0" in result.stderr
+
+
+def test_check_contracts_prints_each_contract_with_its_bytes_and_fingerprint(contracts):
+    result = run("check-contracts", str(MANIFESTS))
+    assert result.returncode == 0, result.stderr
+    demo = contracts["demo-hybrid"]
+    assert f"demo-hybrid: ctx 4096, hidden 256, 8 carried tensors, 4334592 bytes per hand-off, fingerprint {demo.fingerprint}" in result.stdout
+    assert "layers.1.self_attn.k_cache" in result.stdout
+
+
+def test_the_client_needs_none_of_the_brokers_own_dependencies(broker):
+    """A decode worker installs grpcio, protobuf, numpy, ml_dtypes, crc32c and grpcio-status; nothing else."""
+    script = f"""
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {{"grpc_health", "grpc_reflection", "prometheus_client", "handoff_broker", "grpc_tools"}}:
+            raise ImportError(f"{{name}} is not installed on a decode worker")
+sys.meta_path.insert(0, Refuse())
+import numpy as np
+from handoff_client import HandoffClient
+with HandoffClient({broker.address!r}) as c:
+    contract = c.get_contract("every-dtype")
+    tensors = {{t.name: np.ones(t.shape, t.numpy_dtype) for t in contract.carried}}
+    c.push("every-dtype", "isolated", 1, tensors)
+    h = c.pull("every-dtype", "isolated")
+    assert all((h.state[k].tobytes() == v.tobytes()) for k, v in tensors.items())
+print("ok", sorted(m for m in sys.modules if m.split(".")[0] in {{"handoff_broker", "prometheus_client", "grpc_health"}}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=os.environ)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok []"

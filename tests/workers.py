@@ -1,0 +1,55 @@
+"""Worker processes that tests kill with SIGKILL in the middle of a stream.
+
+    python tests/workers.py pull-and-stall TARGET MODEL ID     claims, reads the header and one chunk, then stalls
+    python tests/workers.py push-and-stall TARGET MODEL ID     pushes the header and half the chunks, then stalls
+
+Each prints "stalled" once it is mid-stream, so the test knows when to kill it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+from conftest import seeded_tensors  # noqa: E402
+from handoff_client import HandoffClient  # noqa: E402
+from support import chunk_frames, header_frame, open_channel, raw_pull  # noqa: E402
+
+
+def pull_and_stall(target: str, model: str, handoff_id: str) -> None:
+    channel = open_channel(target)
+    stream = raw_pull(channel, model, handoff_id, timeout=120)
+    next(stream)
+    next(stream)
+    print("stalled", flush=True)
+    time.sleep(120)
+
+
+def push_and_stall(target: str, model: str, handoff_id: str) -> None:
+    with HandoffClient(target) as client:
+        contract = client.get_contract(model)
+    frames = chunk_frames(contract, seeded_tensors(contract), chunk_bytes=1 << 20)
+    stalled = threading.Event()
+
+    def stream() -> Iterator[bytes]:
+        yield header_frame(contract, handoff_id)
+        yield from frames[: len(frames) // 2]
+        stalled.set()
+        time.sleep(120)
+
+    push = open_channel(target).stream_unary("/handoff.v1.HandoffBroker/PushHandoff", request_serializer=lambda b: b)
+    future = push.future(stream(), timeout=120)
+    stalled.wait()
+    time.sleep(0.3)  # let the sent frames leave the process
+    print("stalled", flush=True)
+    future.result()
+
+
+if __name__ == "__main__":
+    {"pull-and-stall": pull_and_stall, "push-and-stall": push_and_stall}[sys.argv[1]](*sys.argv[2:5])
