@@ -74,6 +74,22 @@ def _check_contracts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    """Exit 0 when the broker at --target reports SERVING over the gRPC health service (Docker's HEALTHCHECK)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"{args.target}: {e.code().name}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    print(f"{args.target}: {status}")
+    return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -105,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-contracts", help="validate a folder of manifests and print each contract")
     check.add_argument("folder", metavar="DIR")
     check.set_defaults(run=_check_contracts)
+    health = commands.add_parser("health", help="ask a broker's gRPC health service; exit 0 when SERVING")
+    health.add_argument("--target", default="127.0.0.1:50051")
+    health.add_argument("--timeout", type=float, default=3.0)
+    health.set_defaults(run=_health)
     return parser
 
 

@@ -47,11 +47,15 @@ def test_serve_serves_and_stops_cleanly_on_sigterm():
             client.push("every-dtype", "r", 1, tensors)
             client.push("every-dtype", "left-behind", 1, tensors)
             assert_same_bits(client.pull("every-dtype", "r").state, tensors)
+        healthy = run("health", "--target", address, timeout=30)
+        assert (healthy.returncode, healthy.stdout.strip()) == (0, f"{address}: SERVING")
         started = time.monotonic()
         broker.send_signal(signal.SIGTERM)
         assert broker.wait(timeout=15) == 0
         assert time.monotonic() - started < 10
         assert f"1 hand-off(s) ({contract.nbytes} bytes) were still held" in broker.stderr.read()
+        gone = run("health", "--target", address, "--timeout", "1", timeout=30)
+        assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr
     finally:
         broker.kill()
         broker.wait()
