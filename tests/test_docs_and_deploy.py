@@ -1,0 +1,66 @@
+"""What the README, the Dockerfile and the compose file promise is what the code does."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import yaml
+
+from handoff_broker.cli import build_parser
+from handoff_client import _errors
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_the_readme_error_table_lists_every_reason_with_its_status_and_exception():
+    rows = re.findall(r"^\| `([A-Z_]+)` \| `([A-Z_]+)` \| `(\w+)` \|", README, re.MULTILINE)
+    table = {reason: (code, name) for reason, code, name in rows}
+    want = {reason: (cls.code.name, cls.__name__) for reason, cls in _errors.BY_REASON.items()}
+    assert table == want
+
+
+def test_the_readme_starts_with_the_two_commands_and_ci_runs_its_test_command():
+    commands = re.search(r"```bash\n(.*?)\n(.*?)\n```", README, re.DOTALL)
+    install_and_run, test = (line.split("  #")[0].strip() for line in commands.groups())
+    assert install_and_run == "pip install '.[server]' && handoff-broker demo"
+    assert test == "pip install '.[test]' && pytest"
+    assert (ROOT / ".ci" / "run").read_text().rstrip().splitlines()[-1] == test
+
+
+def test_the_readme_documents_every_serve_flag():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {option for action in serve._actions for option in action.option_strings if option.startswith("--")}
+    documented = set(re.findall(r"^\| `(--[a-z-]+)", README, re.MULTILINE))
+    assert flags - {"--help"} == documented
+
+
+def _dockerfile_instruction(name: str) -> list[str]:
+    for line in (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines():
+        if line.startswith(name + " "):
+            return yaml.safe_load(line[len(name) + 1 :].split(" CMD ", 1)[-1])
+    raise AssertionError(f"no {name} in the Dockerfile")
+
+
+def test_the_dockerfile_runs_commands_the_cli_accepts():
+    entrypoint = _dockerfile_instruction("ENTRYPOINT")
+    assert entrypoint == ["handoff-broker"]
+    args = build_parser().parse_args(_dockerfile_instruction("CMD"))
+    assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 50051)
+    health = build_parser().parse_args(_dockerfile_instruction("HEALTHCHECK")[1:])
+    assert (health.command, health.target) == ("health", "127.0.0.1:50051")
+    assert "EXPOSE 50051" in (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^USER (?!root)\w+", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+
+
+def test_the_compose_file_is_well_formed_and_its_commands_parse():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    broker = compose["services"]["broker"]
+    args = build_parser().parse_args(broker["command"])
+    assert args.command == "serve" and f"{args.port}:{args.port}" in broker["ports"]
+    probe = broker["healthcheck"]["test"]
+    assert probe[0] == "CMD" and probe[1] == "handoff-broker"
+    assert build_parser().parse_args(probe[2:]).target.endswith(f":{args.port}")
+    assert shlex.join(probe)  # every element a plain string
