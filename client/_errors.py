@@ -25,6 +25,7 @@
     │   └── Draining                  the broker is shutting down; go elsewhere
     ├── CallCancelled                                                                    CANCELLED
     │   └── HandoffCancelled          the router cancelled the hand-off
+    ├── PushAborted                   the push a pull was streaming failed; discard it   ABORTED
     ├── DigestMismatch                what a pull received does not match its digest     DATA_LOSS
     ├── InternalError                 a bug in the broker; the detail is in its log      INTERNAL
     └── RpcFailed                     any other gRPC failure, code kept
@@ -299,14 +300,20 @@ class WaitTimedOut(DeadlineExceeded):
 
 
 class CapacityExhausted(HandoffError):
-    """The broker cannot hold the hand-off's bytes now."""
+    """The broker cannot hold the hand-off's bytes now; `retry_after` says when trying again makes sense."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "CAPACITY_EXHAUSTED"
+    retry_after = 1.0
 
-    def __init__(self, model: str, asked: int, free: int) -> None:
+    def __init__(self, model: str, asked: int, free: int, capacity: int) -> None:
+        never = " (more than it can ever hold: raise --max-bytes)" if asked > capacity else ""
         super().__init__(
-            f"{model}: the hand-off needs {asked} bytes and the broker has {free} free", model=model, asked=asked, free=free
+            f"{model}: the hand-off needs {asked} bytes and the broker has {free} of {capacity} free{never}",
+            model=model,
+            asked=asked,
+            free=free,
+            capacity=capacity,
         )
 
 
@@ -338,6 +345,21 @@ class HandoffCancelled(CallCancelled):
 
     def __init__(self, model: str, handoff_id: str) -> None:
         super().__init__(f"{model}: hand-off `{handoff_id}` was cancelled", model=model, handoff_id=handoff_id)
+
+
+class PushAborted(HandoffError):
+    """The push a pull was streaming before it ended failed, or was replaced by a retry: discard what arrived."""
+
+    code = grpc.StatusCode.ABORTED
+    reason = "PUSH_ABORTED"
+
+    def __init__(self, model: str, handoff_id: str) -> None:
+        super().__init__(
+            f"{model}: the push of hand-off `{handoff_id}` failed or was replaced while it streamed; "
+            "discard what arrived and pull again",
+            model=model,
+            handoff_id=handoff_id,
+        )
 
 
 class DigestMismatch(HandoffError):
@@ -393,10 +415,16 @@ _BY_CODE: dict[grpc.StatusCode, type[HandoffError]] = {
 
 def to_status(error: HandoffError) -> status_pb2.Status:
     """The google.rpc.Status that carries `error` to the other side."""
-    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.fields)
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    return status_pb2.Status(code=error.code.value[0], message=error.message, details=[detail])
+    details = [error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.fields)]
+    if isinstance(error, CapacityExhausted):
+        delay = error_details_pb2.RetryInfo()
+        delay.retry_delay.FromNanoseconds(int(error.retry_after * 1e9))
+        details.append(delay)
+    packed = []
+    for detail in details:
+        packed.append(any_pb2.Any())
+        packed[-1].Pack(detail)
+    return status_pb2.Status(code=error.code.value[0], message=error.message, details=packed)
 
 
 def from_status(code: grpc.StatusCode, message: str, details: list[any_pb2.Any]) -> HandoffError:

@@ -50,6 +50,7 @@ class BrokerConfig:
     max_bytes: int = field(default_factory=default_max_bytes)
     ttl: float = 300.0
     lease: float = 30.0
+    idle_timeout: float = 30.0
     workers: int = DEFAULT_WORKERS
     # HTTP/2 keepalive: a decoder whose connection dies without a FIN is noticed and its claim returned.
     keepalive_seconds: float = 20.0
@@ -61,7 +62,7 @@ class Broker:
 
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
-        self.store = Store(config.contracts, StoreConfig(config.max_bytes, ttl=config.ttl, lease=config.lease))
+        self.store = Store(config.contracts, StoreConfig(config.max_bytes, ttl=config.ttl, lease=config.lease, idle_timeout=config.idle_timeout))
         self.health = health.HealthServicer()
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -40,6 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_bytes=args.max_bytes if args.max_bytes is not None else default_max_bytes(),
         ttl=args.ttl,
         lease=args.lease,
+        idle_timeout=args.idle_timeout,
         workers=args.workers,
     )
     try:
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-bytes", type=_parse_bytes, help="bytes of hand-offs held at most (default: half of RAM)")
     serve.add_argument("--ttl", type=float, default=300.0, help="seconds an unclaimed hand-off lives (default: 300)")
     serve.add_argument("--lease", type=float, default=30.0, help="seconds a streamed claim waits for its confirm (30)")
+    serve.add_argument("--idle-timeout", type=float, default=30.0, help="seconds a push may send nothing (30)")
     serve.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish on SIGTERM (10)")
     serve.add_argument("--workers", type=int, default=256, help="threads serving calls (256)")
     serve.set_defaults(run=_serve)

@@ -14,7 +14,7 @@ import grpc
 from google.protobuf import message_factory
 from grpc_status import rpc_status
 
-from handoff_client._errors import HandoffCancelled, HandoffError, InternalError, MalformedRequest, to_status
+from handoff_client._errors import HandoffError, InternalError, MalformedRequest, to_status
 from handoff_client._frames import ChunkFrame
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import SERVICE, Malformed, contract_to_proto, decode_push_request, identity
@@ -106,7 +106,14 @@ class HandoffBrokerServicer:
             why = header.why if isinstance(header, Malformed) else "a push must start with its header"
             raise MalformedRequest(why)
         session = self.store.begin_push(
-            header.model, header.handoff_id, header.position, header.fingerprint, wait=_wait_budget(context)
+            header.model,
+            header.handoff_id,
+            header.position,
+            header.fingerprint,
+            wait=_wait_budget(context),
+            ttl=header.ttl_seconds,
+            no_wait=header.no_wait,
+            interrupt=context.cancel,
         )
         try:
             for message in requests:
@@ -138,16 +145,22 @@ class HandoffBrokerServicer:
 
     @_mapped_stream
     def PullHandoff(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        claim = self.store.claim(request.model, request.handoff_id, _wait_budget(context), context.is_active)
+        claim = self.store.claim(
+            request.model, request.handoff_id, _wait_budget(context), context.is_active, interrupt=context.cancel
+        )
         progress = _Progress()
         # Runs however the call ends: a stream that broke before its end returns the claim to the pool at once.
         context.add_callback(lambda: self.store.release(claim, progress.sent_all))
         yield _pull_header(claim)
-        for chunk in claim.chunks:
-            if not self.store.is_current(claim):
-                raise HandoffCancelled(claim.model, claim.handoff_id)
-            yield chunk.frame
-        yield pb.PullResponse(end=pb.PullEnd(digest=claim.digest)).SerializeToString()
+        fed = 0
+        while True:
+            chunks, digest = self.store.feed(claim, fed, _wait_budget(context))
+            for chunk in chunks:
+                yield chunk.frame
+            fed += len(chunks)
+            if digest is not None:
+                break
+        yield pb.PullResponse(end=pb.PullEnd(digest=digest)).SerializeToString()
         progress.sent_all = True
         logger.info("streamed %s/%s to claim %d", claim.model, claim.handoff_id, claim.generation)
 
@@ -179,7 +192,7 @@ def _pull_header(claim: Claim) -> bytes:
         fingerprint=claim.fingerprint,
         claim=claim.generation,
         bytes=claim.nbytes,
-        chunks=len(claim.chunks),
+        chunks=claim.chunks,
     )
     return pb.PullResponse(header=header).SerializeToString()
 

@@ -1,23 +1,28 @@
 """Where hand-offs live between their push and their pull: a state machine with bounded memory.
 
-    push header ─► RECEIVING ──commit──► READY ──claim──► CLAIMED ──confirm──► (gone: confirmed)
-                       │                  │  ▲               │
-                       │ abort            │  └──release──────┤  stream broke before the end, or lease lapsed
-                       ▼                  ▼                  │
-                   (nothing)         (gone: expired)         ▼ cancel, from any state: (gone: cancelled)
+    push header ─► RECEIVING ──commit──► READY ──claim──► CLAIMED ──confirm──► gone (confirmed)
+                     │  │                 │  ▲               │
+                     │  └─claim (pipelined: chunks stream as they arrive; commit then completes the claim)
+                     │ abort, idle        │  └──release──────┤ stream broke, stalled past the lease,
+                     ▼                    ▼                  │ or streamed but unconfirmed past the lease
+                 (nothing)           gone (expired)          ▼
+                                     cancel, from any state: gone (cancelled)
 
 What it guarantees:
-- A hand-off is visible to pullers only after every chunk and the whole have passed the contract's checks
-  (`commit`); an aborted push frees its bytes at once and leaves no trace.
-- A READY hand-off goes to one claimant at a time; each claim has a new generation, and only the current
-  generation can confirm. A claim whose stream broke returns to READY at once; one whose stream ended but that was
-  never confirmed returns after `lease` seconds.
-- Resident bytes (reserved by pushes at their header, from the contract) never exceed `max_bytes`.
-- A READY hand-off nobody claims expires after `ttl` seconds. What is gone leaves a tombstone for
-  `tombstone_ttl`, so late callers hear *expired*, *cancelled* or *confirmed* rather than *unknown*, and a push
-  retried after its hand-off was delivered is recognised.
+- A hand-off is complete for pullers only after every chunk and the whole have passed the contract's checks
+  (`commit`). A puller may claim it while it is still RECEIVING and get its chunks as they arrive, but the end of
+  its stream, with the digest, comes only after the commit; if the push fails instead, the puller gets PushAborted.
+  An aborted push frees its bytes at once and leaves no trace.
+- One claimant at a time; each claim has a new generation, and only the current generation can confirm. A claim
+  whose stream broke returns at once; one whose stream stalls, or that streamed whole but was never confirmed,
+  returns after `lease` seconds.
+- Resident bytes (reserved by a push at its header, from the contract) never exceed `max_bytes`.
+- A READY hand-off nobody claims expires after its ttl; a push that sends nothing for `idle_timeout` is aborted.
+  What is gone leaves a tombstone for `tombstone_ttl`, so late callers hear *expired*, *cancelled* or
+  *confirmed* rather than *unknown*, and a push retried after its hand-off was delivered is recognised.
 
-Plain Python and numpy-free: no gRPC in here. Every method is thread-safe; a PushSession belongs to one stream.
+Plain Python: no gRPC in here. Streams are reached through `interrupt` callables (the service passes each call's
+cancel), always called outside the lock. Every method is thread-safe; a PushSession belongs to one stream.
 """
 
 from __future__ import annotations
@@ -27,9 +32,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 
 from handoff_client._contract import Contract, TensorSpans
 from handoff_client._errors import (
@@ -42,6 +46,7 @@ from handoff_client._errors import (
     HandoffExists,
     HandoffGone,
     MalformedRequest,
+    PushAborted,
     StaleClaim,
     UnknownHandoff,
     UnknownModel,
@@ -54,14 +59,12 @@ logger = logging.getLogger(__name__)
 HandoffKey = tuple[str, str]
 """(model, handoff_id): ids are the router's request ids, unique per model."""
 
+Interrupt = Callable[[], None]
+
 MAX_HANDOFF_ID = 256
 MAX_TOMBSTONES = 100_000
-
-
-class Phase(Enum):
-    RECEIVING = "receiving"
-    READY = "ready"
-    CLAIMED = "claimed"
+FEED_BATCH = 256
+WAIT_SLICE = 0.1  # seconds between re-checks of a waiting caller's liveness
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,9 @@ class StoreConfig:
     max_bytes: int
     ttl: float = 300.0
     lease: float = 30.0
+    idle_timeout: float = 30.0
     tombstone_ttl: float = 600.0
-    sweep_interval: float = 0.5
+    sweep_interval: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -92,16 +96,26 @@ class _Entry:
     key: HandoffKey
     contract: Contract
     position: int
-    phase: Phase
-    push: object  # the PushSession that owns a RECEIVING entry
-    chunks: list[StoredChunk] = field(default_factory=list)
-    starts: list[list[int]] = field(default_factory=list)  # per tensor, sorted chunk offsets (for byte compares)
+    ttl: float
+    push: object | None  # the PushSession that owns the entry until its commit
+    changed: threading.Condition  # chunks arrived, or the push committed or ended (for pipelined pullers)
+    arrived: list[StoredChunk] = field(default_factory=list)  # in arrival order, grown by the push
+    ordered: list[StoredChunk] = field(default_factory=list)  # contract order, from the commit
     by_tensor: list[list[StoredChunk]] = field(default_factory=list)
+    starts: list[list[int]] = field(default_factory=list)  # per tensor, sorted chunk offsets (for byte compares)
+    committed: bool = False
     digest: str = ""
-    expires_at: float = 0.0
+    expires_at: float = float("inf")
     generation: int = 0
+    claimed: bool = False
     streaming: bool = False
+    live: bool = False  # the current claim was made before the commit
     lease_until: float = 0.0
+    push_activity: float = 0.0
+    pull_activity: float = 0.0
+    push_interrupt: Interrupt | None = None
+    pull_interrupt: Interrupt | None = None
+    ended: str | None = None  # why it left the store: aborted, replaced, expired, cancelled, confirmed
 
     @property
     def nbytes(self) -> int:
@@ -110,7 +124,7 @@ class _Entry:
 
 @dataclass(frozen=True)
 class _Tombstone:
-    how: str  # "expired", "cancelled" or "confirmed"
+    how: str  # expired, cancelled or confirmed
     generation: int
     digest: str
     until: float
@@ -126,7 +140,7 @@ class PushOutcome:
 
 @dataclass(frozen=True)
 class Claim:
-    """A decode worker's hold on a hand-off: what to stream, and the generation that may confirm it."""
+    """A decode worker's hold on a hand-off: the generation that may confirm it, and where its chunks come from."""
 
     model: str
     handoff_id: str
@@ -134,8 +148,8 @@ class Claim:
     position: int
     fingerprint: str
     nbytes: int
-    chunks: tuple[StoredChunk, ...]
-    digest: str
+    chunks: int  # known when claimed after the commit; 0 for a pipelined claim
+    entry: _Entry = field(repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -156,7 +170,7 @@ class Store:
         self.config = config
         self._clock = clock
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # any entry changed phase, or bytes were freed
+        self._changed = threading.Condition(self._lock)  # an entry appeared, was released or freed; bytes freed
         self._entries: dict[HandoffKey, _Entry] = {}
         self._tombstones: OrderedDict[HandoffKey, _Tombstone] = OrderedDict()
         self._resident = 0
@@ -167,7 +181,7 @@ class Store:
     # -- life of the store --------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the sweeper that expires, returns lapsed leases and forgets old tombstones."""
+        """Start the sweeper that expires, returns lapsed leases, aborts idle pushes and forgets old tombstones."""
         self._sweeper = threading.Thread(target=self._sweep_forever, name="handoff-sweeper", daemon=True)
         self._sweeper.start()
 
@@ -192,11 +206,11 @@ class Store:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            phases = [e.phase for e in self._entries.values()]
+            entries = list(self._entries.values())
             return StoreStats(
-                receiving=phases.count(Phase.RECEIVING),
-                ready=phases.count(Phase.READY),
-                claimed=phases.count(Phase.CLAIMED),
+                receiving=sum(not e.committed for e in entries),
+                ready=sum(e.committed and not e.claimed for e in entries),
+                claimed=sum(e.committed and e.claimed for e in entries),
                 resident_bytes=self._resident,
                 max_bytes=self.config.max_bytes,
                 tombstones=len(self._tombstones),
@@ -204,8 +218,20 @@ class Store:
 
     # -- prefill side -------------------------------------------------------------------------------------------------
 
-    def begin_push(self, model: str, handoff_id: str, position: int, fingerprint: str, wait: float) -> PushSession:
-        """Open a push: the header's checks, then the hand-off's whole size reserved (waiting up to `wait` s).
+    def begin_push(
+        self,
+        model: str,
+        handoff_id: str,
+        position: int,
+        fingerprint: str,
+        *,
+        wait: float,
+        ttl: float = 0.0,
+        no_wait: bool = False,
+        interrupt: Interrupt | None = None,
+    ) -> PushSession:
+        """Open a push: the header's checks, then the hand-off's whole size reserved (waiting up to `wait` s for
+        room unless `no_wait`).
 
         A push of an id already held is checked against it byte for byte instead (a blind retry); a push of an id
         still RECEIVING replaces that push (its stream is presumed dead: the retry came first).
@@ -216,63 +242,81 @@ class Store:
             raise FingerprintMismatch(model, contract.fingerprint, fingerprint)
         contract.check_position(position)
         key = (model, handoff_id)
-        deadline = self._clock() + wait
-        with self._lock:
-            while True:
-                if self._draining:
-                    raise Draining()
-                held = self._entries.get(key)
-                if held is not None and held.phase is not Phase.RECEIVING:
-                    if held.position != position:
-                        raise HandoffExists(model, handoff_id, f"was pushed at position {held.position}, not {position}")
-                    return _RepeatPush(self, contract, key, held=held)
-                tomb = self._tombstones.get(key)
-                if tomb is not None and tomb.how == "cancelled":
-                    raise HandoffGone(model, handoff_id, "was cancelled; push it under a new id")
-                if tomb is not None and tomb.how == "confirmed":
-                    return _RepeatPush(self, contract, key, delivered_digest=tomb.digest)
-                if held is not None:  # a push of this id in flight: this one replaces it
-                    self._free(held)
-                    logger.info("push of %s/%s replaces one still in flight", model, handoff_id)
-                    continue
-                free = self.config.max_bytes - self._resident
-                if contract.nbytes <= free:
-                    break
-                remaining = deadline - self._clock()
-                if remaining <= 0 or contract.nbytes > self.config.max_bytes:
-                    raise CapacityExhausted(model, contract.nbytes, free)
-                self._changed.wait(remaining)
-            session = _NewPush(self, contract, key)
-            entry = _Entry(key, contract, position, Phase.RECEIVING, session)
-            session.entry = entry
-            self._entries[key] = entry
-            self._tombstones.pop(key, None)
-            self._resident += entry.nbytes
-            return session
+        deadline = self._clock() + (0.0 if no_wait else wait)
+        interrupts: list[Interrupt] = []
+        try:
+            with self._lock:
+                while True:
+                    if self._draining:
+                        raise Draining()
+                    held = self._entries.get(key)
+                    if held is not None and held.committed:
+                        if held.position != position:
+                            raise HandoffExists(model, handoff_id, f"was pushed at position {held.position}, not {position}")
+                        return _RepeatPush(self, contract, key, held=held)
+                    tomb = self._tombstones.get(key)
+                    if tomb is not None and tomb.how == "cancelled":
+                        raise HandoffGone(model, handoff_id, "was cancelled; push it under a new id")
+                    if tomb is not None and tomb.how == "confirmed":
+                        return _RepeatPush(self, contract, key, delivered_digest=tomb.digest)
+                    if held is not None:  # a push of this id in flight: this one replaces it
+                        logger.info("push of %s/%s replaces one still in flight", model, handoff_id)
+                        interrupts += self._free(held, "replaced")
+                        continue
+                    free = self.config.max_bytes - self._resident
+                    if contract.nbytes <= free:
+                        break
+                    remaining = deadline - self._clock()
+                    if remaining <= 0 or contract.nbytes > self.config.max_bytes:
+                        raise CapacityExhausted(model, contract.nbytes, free, self.config.max_bytes)
+                    self._changed.wait(min(remaining, WAIT_SLICE))
+                ttl = self.config.ttl if ttl <= 0 else min(ttl, self.config.ttl)
+                session = _NewPush(self, contract, key)
+                entry = _Entry(key, contract, position, ttl, session, threading.Condition(self._lock))
+                entry.push_activity = self._clock()
+                entry.push_interrupt = interrupt
+                session.entry = entry
+                self._entries[key] = entry
+                self._tombstones.pop(key, None)
+                self._resident += entry.nbytes
+                self._changed.notify_all()  # pullers waiting for this id may claim it now
+                return session
+        finally:
+            _run(interrupts)
 
-    def _commit(self, session: _NewPush, chunks: list[StoredChunk], digest: str) -> None:
+    def _append(self, session: _NewPush, chunk: StoredChunk) -> None:
         with self._lock:
-            entry = session.entry
-            self._check_owner(session)
-            chunks.sort(key=lambda c: (c.index, c.offset))
-            entry.chunks = chunks
+            entry = self._owned(session)
+            entry.arrived.append(chunk)
+            entry.push_activity = self._clock()
+            if entry.claimed:
+                entry.changed.notify_all()
+
+    def _commit(self, session: _NewPush, digest: str) -> None:
+        with self._lock:
+            entry = self._owned(session)
+            entry.ordered = sorted(entry.arrived, key=lambda c: (c.index, c.offset))
             entry.by_tensor = [[] for _ in entry.contract.carried]
-            for chunk in chunks:
+            for chunk in entry.ordered:
                 entry.by_tensor[chunk.index].append(chunk)
             entry.starts = [[c.offset for c in run] for run in entry.by_tensor]
             entry.digest = digest
-            entry.phase = Phase.READY
-            entry.expires_at = self._clock() + self.config.ttl
+            entry.committed = True
+            entry.push = None
+            entry.push_interrupt = None
+            entry.expires_at = self._clock() + entry.ttl
+            entry.changed.notify_all()
             self._changed.notify_all()
 
     def _abort(self, session: _NewPush) -> None:
         with self._lock:
             entry = self._entries.get(session.key)
-            if entry is not None and entry.push is session and entry.phase is Phase.RECEIVING:
-                self._free(entry)
+            if entry is not None and entry.push is session:
+                entry.push_interrupt = None  # the push's own handler is failing it: its call ends with its own status
+                self._free(entry, "aborted")
 
-    def _check_owner(self, session: PushSession) -> None:
-        """Under the lock: the session's entry is still its own (not cancelled, not replaced by a retry)."""
+    def _owned(self, session: PushSession) -> _Entry:
+        """Under the lock: the session's entry, if it is still its own (not cancelled, not replaced by a retry)."""
         entry = self._entries.get(session.key)
         if entry is None or entry.push is not session:
             model, handoff_id = session.key
@@ -280,15 +324,20 @@ class Store:
             if tomb is not None and tomb.how == "cancelled":
                 raise HandoffCancelled(model, handoff_id)
             raise HandoffExists(model, handoff_id, "was pushed again by a newer stream, which replaces this one")
-
-    def _still_owned(self, session: PushSession) -> None:
-        with self._lock:
-            self._check_owner(session)
+        return entry
 
     # -- decode side --------------------------------------------------------------------------------------------------
 
-    def claim(self, model: str, handoff_id: str, wait: float, is_active: Callable[[], bool] = lambda: True) -> Claim:
-        """Claim a READY hand-off, waiting up to `wait` seconds for its push to commit."""
+    def claim(
+        self,
+        model: str,
+        handoff_id: str,
+        wait: float,
+        is_active: Callable[[], bool] = lambda: True,
+        interrupt: Interrupt | None = None,
+    ) -> Claim:
+        """Claim a hand-off, waiting up to `wait` seconds for its push to begin; a claim made while the push is under
+        way streams its chunks as they arrive (`feed`)."""
         self.contract(model)
         _check_id(model, handoff_id)
         key = (model, handoff_id)
@@ -298,49 +347,68 @@ class Store:
                 if self._draining:
                     raise Draining()
                 entry = self._entries.get(key)
-                if entry is not None and entry.phase is Phase.READY:
+                if entry is not None and not entry.claimed:
                     entry.generation += 1
-                    entry.phase = Phase.CLAIMED
-                    entry.streaming = True
+                    entry.claimed = entry.streaming = True
+                    entry.live = not entry.committed
+                    entry.pull_activity = self._clock()
+                    entry.pull_interrupt = interrupt
+                    chunks = len(entry.ordered) if entry.committed else 0
                     return Claim(
-                        model,
-                        handoff_id,
-                        entry.generation,
-                        entry.position,
-                        entry.contract.fingerprint,
-                        entry.nbytes,
-                        tuple(entry.chunks),
-                        entry.digest,
-                    )
-                if entry is not None and entry.phase is Phase.CLAIMED:
+                        model, handoff_id, entry.generation, entry.position, entry.contract.fingerprint,
+                        entry.nbytes, chunks, entry,
+                    )  # fmt: skip
+                if entry is not None:
                     raise AlreadyClaimed(model, handoff_id)
                 tomb = self._tombstones.get(key)
-                if entry is None and tomb is not None:
+                if tomb is not None:
                     raise HandoffGone(model, handoff_id, _gone_words(tomb.how))
                 waited = self._clock() - started
-                if waited >= wait:
+                if waited >= wait or not is_active() or self._closed.is_set():
                     raise WaitTimedOut(model, handoff_id, waited)
-                if not is_active() or self._closed.is_set():
-                    raise WaitTimedOut(model, handoff_id, waited)  # nobody is listening any more
-                self._changed.wait(min(wait - waited, 0.25))
+                self._changed.wait(min(wait - waited, WAIT_SLICE))
 
-    def is_current(self, claim: Claim) -> bool:
-        """Whether the claim still holds its hand-off (not cancelled, not superseded)."""
+    def feed(self, claim: Claim, start: int, wait: float) -> tuple[list[StoredChunk], str | None]:
+        """The claim's chunks from the `start`-th on, waiting up to `wait` s for more if the push is under way, and
+        the hand-off's digest once every chunk has been fed and the push has committed."""
+        entry = claim.entry
+        started = self._clock()
         with self._lock:
-            entry = self._entries.get((claim.model, claim.handoff_id))
-            return entry is not None and entry.phase is Phase.CLAIMED and entry.generation == claim.generation
+            while True:
+                self._check_claim(claim)
+                source = entry.arrived if entry.live else entry.ordered
+                entry.pull_activity = self._clock()
+                if start < len(source):
+                    return source[start : start + FEED_BATCH], None
+                if entry.committed:
+                    return [], entry.digest
+                waited = self._clock() - started
+                if waited >= wait:
+                    raise WaitTimedOut(claim.model, claim.handoff_id, waited)
+                entry.changed.wait(min(wait - waited, WAIT_SLICE))
+
+    def _check_claim(self, claim: Claim) -> None:
+        """Under the lock: the claim still holds its hand-off."""
+        entry = claim.entry
+        if entry.ended in ("aborted", "replaced"):
+            raise PushAborted(claim.model, claim.handoff_id)
+        if entry.ended == "cancelled":
+            raise HandoffCancelled(claim.model, claim.handoff_id)
+        if entry.ended is not None or not entry.claimed or entry.generation != claim.generation:
+            raise StaleClaim(claim.model, claim.handoff_id, claim.generation, "was revoked: its stream stalled")
 
     def release(self, claim: Claim, sent_all: bool) -> None:
-        """The claim's stream has ended: whole (the lease starts) or broken (the hand-off is READY again at once)."""
+        """The claim's stream has ended: whole (the lease starts) or broken (the hand-off is free again at once)."""
         with self._lock:
-            entry = self._entries.get((claim.model, claim.handoff_id))
-            if entry is None or entry.phase is not Phase.CLAIMED or entry.generation != claim.generation:
+            entry = claim.entry
+            if entry.ended is not None or not entry.claimed or entry.generation != claim.generation:
                 return
             entry.streaming = False
+            entry.pull_interrupt = None
             if sent_all:
                 entry.lease_until = self._clock() + self.config.lease
             else:
-                self._return_to_pool(entry)
+                self._unclaim(entry)
 
     def confirm(self, model: str, handoff_id: str, generation: int) -> None:
         """The decode worker has the hand-off whole: forget it. Idempotent for the same generation."""
@@ -349,7 +417,7 @@ class Store:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
-                if entry.phase is not Phase.CLAIMED:
+                if not entry.committed or not entry.claimed:
                     raise StaleClaim(model, handoff_id, generation, "has lapsed; the hand-off went back to the pool")
                 if entry.generation != generation:
                     raise StaleClaim(model, handoff_id, generation, f"is superseded by claim {entry.generation}")
@@ -365,36 +433,46 @@ class Store:
             raise HandoffGone(model, handoff_id, _gone_words(tomb.how))
 
     def cancel(self, model: str, handoff_id: str) -> bool:
-        """Free the hand-off in whatever phase it is; pushers and pullers in flight find it cancelled."""
+        """Free the hand-off in whatever phase it is; its pusher and puller in flight are interrupted."""
         self.contract(model)
         key = (model, handoff_id)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 if key not in self._tombstones:
-                    self._bury(key, "cancelled", 0, "")
+                    self._bury(key, "cancelled", 0, "")  # a push that comes later is refused too
                 return False
-            self._free(entry, "cancelled")
-            return True
+            interrupts = self._free(entry, "cancelled")
+        _run(interrupts)
+        return True
 
     # -- housekeeping -------------------------------------------------------------------------------------------------
 
     def sweep(self) -> None:
-        """Expire unclaimed hand-offs, return lapsed leases, forget old tombstones."""
+        """Expire unclaimed hand-offs, return lapsed claims, abort idle pushes, forget old tombstones."""
         now = self._clock()
+        interrupts: list[Interrupt] = []
         with self._lock:
             for entry in list(self._entries.values()):
-                if entry.phase is Phase.READY and now >= entry.expires_at:
-                    logger.info("hand-off %s/%s expired unclaimed (%d bytes freed)", *entry.key, entry.nbytes)
-                    self._free(entry, "expired")
-                elif entry.phase is Phase.CLAIMED and not entry.streaming and now >= entry.lease_until:
-                    logger.info("claim %d on %s/%s lapsed unconfirmed", entry.generation, *entry.key)
-                    self._return_to_pool(entry)
+                model, handoff_id = entry.key
+                if not entry.committed and now - entry.push_activity >= self.config.idle_timeout:
+                    logger.info("push of %s/%s sent nothing for %ss: aborted", model, handoff_id, self.config.idle_timeout)
+                    interrupts += self._free(entry, "aborted")
+                elif entry.claimed and entry.streaming and now - entry.pull_activity >= self.config.lease:
+                    logger.info("claim %d on %s/%s stalled: revoked", entry.generation, model, handoff_id)
+                    interrupts += self._unclaim(entry)
+                elif entry.claimed and not entry.streaming and now >= entry.lease_until:
+                    logger.info("claim %d on %s/%s lapsed unconfirmed", entry.generation, model, handoff_id)
+                    interrupts += self._unclaim(entry)
+                elif entry.committed and not entry.claimed and now >= entry.expires_at:
+                    logger.info("hand-off %s/%s expired unclaimed (%d bytes freed)", model, handoff_id, entry.nbytes)
+                    interrupts += self._free(entry, "expired")
             while self._tombstones:
                 key, tomb = next(iter(self._tombstones.items()))
                 if tomb.until > now and len(self._tombstones) <= MAX_TOMBSTONES:
                     break
                 del self._tombstones[key]
+        _run(interrupts)
 
     def _sweep_forever(self) -> None:
         while not self._closed.wait(self.config.sweep_interval):
@@ -405,24 +483,46 @@ class Store:
 
     # -- under the lock -----------------------------------------------------------------------------------------------
 
-    def _return_to_pool(self, entry: _Entry) -> None:
-        entry.phase = Phase.READY
-        entry.streaming = False
-        entry.expires_at = self._clock() + self.config.ttl
+    def _unclaim(self, entry: _Entry) -> list[Interrupt]:
+        """The claim ends without a confirm: the hand-off is free for the next puller."""
+        interrupts = [entry.pull_interrupt] if entry.streaming and entry.pull_interrupt else []
+        entry.claimed = entry.streaming = entry.live = False
+        entry.pull_interrupt = None
+        if entry.committed:
+            entry.expires_at = self._clock() + entry.ttl
+        entry.changed.notify_all()
         self._changed.notify_all()
+        return interrupts
 
-    def _free(self, entry: _Entry, how: str | None = None) -> None:
+    def _free(self, entry: _Entry, how: str) -> list[Interrupt]:
+        """The entry leaves the store; the streams still on it are returned for interrupting."""
         del self._entries[entry.key]
         self._resident -= entry.nbytes
-        if how is not None:
+        entry.ended = how
+        if how in ("expired", "cancelled", "confirmed"):
             self._bury(entry.key, how, entry.generation, entry.digest)
-        entry.chunks = []
-        entry.by_tensor = []
+        # A pusher still sending is cut off; a pipelined puller waiting in `feed` hears why from there, so only a
+        # cancel also interrupts the puller (which may be blocked on flow control, out of feed's reach).
+        interrupts = [entry.push_interrupt] if entry.push_interrupt and how in ("aborted", "replaced", "cancelled") else []
+        if how == "cancelled" and entry.streaming and entry.pull_interrupt:
+            interrupts.append(entry.pull_interrupt)
+        entry.push_interrupt = entry.pull_interrupt = None
+        entry.arrived, entry.ordered, entry.by_tensor = [], [], []
+        entry.changed.notify_all()
         self._changed.notify_all()
+        return interrupts
 
     def _bury(self, key: HandoffKey, how: str, generation: int, digest: str) -> None:
         self._tombstones.pop(key, None)
         self._tombstones[key] = _Tombstone(how, generation, digest, self._clock() + self.config.tombstone_ttl)
+
+
+def _run(interrupts: list[Interrupt]) -> None:
+    for interrupt in interrupts:
+        try:
+            interrupt()
+        except Exception:  # an interrupt of a call that already ended: nothing to do
+            logger.debug("interrupt failed", exc_info=True)
 
 
 def _gone_words(how: str) -> str:
@@ -441,7 +541,7 @@ def _check_id(model: str, handoff_id: str) -> None:
 
 
 class PushSession:
-    """One push stream's checks, chunk by chunk: name, bounds, overlap, checksum; then the whole at `commit`."""
+    """One push stream's checks, chunk by chunk: name, bounds, overlap, checksum; then the whole at `finish`."""
 
     def __init__(self, store: Store, contract: Contract, key: HandoffKey) -> None:
         self.store = store
@@ -449,7 +549,6 @@ class PushSession:
         self.key = key
         self._spans = [TensorSpans(contract.model, c) for c in contract.carried]
         self._entries: list[tuple[int, int, int, int]] = []
-        self._since_check = 0
 
     def add(self, chunk: ChunkFrame) -> None:
         index = self.contract.index(chunk.tensor)
@@ -458,10 +557,10 @@ class PushSession:
         if crc32c(chunk.data) != chunk.crc32c:
             raise BadChunk(self.contract.model, chunk.tensor, chunk.offset, length, "fails its CRC32C on arrival")
         self._entries.append((index, chunk.offset, length, chunk.crc32c))
-        self._keep(index, chunk)
+        self._keep(StoredChunk(index, chunk.offset, length, chunk.crc32c, chunk.frame, chunk.data))
 
     def finish(self) -> PushOutcome:
-        """The stream closed cleanly: every tensor whole, then the hand-off made visible (or matched)."""
+        """The stream closed cleanly: every tensor whole, then the hand-off committed (or matched)."""
         for spans in self._spans:
             spans.check_complete()
         return self._finish(handoff_digest(self._entries))
@@ -469,7 +568,7 @@ class PushSession:
     def abort(self) -> None:
         """The stream failed or broke: keep nothing."""
 
-    def _keep(self, index: int, chunk: ChunkFrame) -> None:
+    def _keep(self, chunk: StoredChunk) -> None:
         raise NotImplementedError
 
     def _finish(self, digest: str) -> PushOutcome:
@@ -477,27 +576,20 @@ class PushSession:
 
 
 class _NewPush(PushSession):
-    """A push of an id the broker does not hold: its chunks are kept, and become the hand-off at `finish`."""
+    """A push of an id the broker does not hold: its chunks are kept (and fed to a pipelined puller at once), and
+    become a complete hand-off at `finish`."""
 
-    def __init__(self, store: Store, contract: Contract, key: HandoffKey) -> None:
-        super().__init__(store, contract, key)
-        self.entry: _Entry
-        self._chunks: list[StoredChunk] = []
+    entry: _Entry
 
-    def _keep(self, index: int, chunk: ChunkFrame) -> None:
-        self._chunks.append(StoredChunk(index, chunk.offset, len(chunk.data), chunk.crc32c, chunk.frame, chunk.data))
-        self._since_check += 1
-        if self._since_check >= 64:  # notice a cancel or a replacing retry without taking the lock every chunk
-            self._since_check = 0
-            self.store._still_owned(self)
+    def _keep(self, chunk: StoredChunk) -> None:
+        self.store._append(self, chunk)
 
     def _finish(self, digest: str) -> PushOutcome:
-        self.store._commit(self, self._chunks, digest)
-        return PushOutcome(self.contract.nbytes, len(self._chunks), digest, duplicate=False)
+        self.store._commit(self, digest)
+        return PushOutcome(self.contract.nbytes, len(self._entries), digest, duplicate=False)
 
     def abort(self) -> None:
         self.store._abort(self)
-        self._chunks = []
 
 
 class _RepeatPush(PushSession):
@@ -515,10 +607,10 @@ class _RepeatPush(PushSession):
         self._stored = held.by_tensor if held is not None else None
         self._want = held.digest if held is not None else delivered_digest
 
-    def _keep(self, index: int, chunk: ChunkFrame) -> None:
+    def _keep(self, chunk: StoredChunk) -> None:
         if self._stored is None or self._starts is None:
             return
-        starts, stored = self._starts[index], self._stored[index]
+        starts, stored = self._starts[chunk.index], self._stored[chunk.index]
         offset, data = chunk.offset, chunk.data
         at = max(bisect.bisect_right(starts, offset) - 1, 0)
         end = offset + len(data)
@@ -527,7 +619,8 @@ class _RepeatPush(PushSession):
             lo, hi = max(offset, held.offset), min(end, held.offset + held.length)
             if lo < hi and data[lo - offset : hi - offset] != held.data[lo - held.offset : hi - held.offset]:
                 model, handoff_id = self.key
-                raise HandoffExists(model, handoff_id, f"differs in `{chunk.tensor}` within bytes {lo}..{hi}")
+                name = self.contract.carried[chunk.index].name
+                raise HandoffExists(model, handoff_id, f"differs in `{name}` within bytes {lo}..{hi}")
             at += 1
 
     def _finish(self, digest: str) -> PushOutcome:
@@ -535,9 +628,3 @@ class _RepeatPush(PushSession):
             model, handoff_id = self.key
             raise HandoffExists(model, handoff_id, "was delivered with different content (or chunking)")
         return PushOutcome(self.contract.nbytes, len(self._entries), self._want, duplicate=True)
-
-
-def iter_frames(claim: Claim) -> Iterator[bytes]:
-    """The chunk frames of a claim, in contract order."""
-    for chunk in claim.chunks:
-        yield chunk.frame

@@ -30,6 +30,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HANDOFF_CANCELLED: _ClassVar[ErrorReason]
     INTERNAL_ERROR: _ClassVar[ErrorReason]
     DIGEST_MISMATCH: _ClassVar[ErrorReason]
+    PUSH_ABORTED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 UNKNOWN_TENSOR: ErrorReason
 MISSING_TENSOR: ErrorReason
@@ -51,6 +52,7 @@ DRAINING: ErrorReason
 HANDOFF_CANCELLED: ErrorReason
 INTERNAL_ERROR: ErrorReason
 DIGEST_MISMATCH: ErrorReason
+PUSH_ABORTED: ErrorReason
 
 class Carried(_message.Message):
     __slots__ = ("name", "layer", "rows", "cols", "dtype")
@@ -109,16 +111,20 @@ class Chunk(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "handoff_id", "position", "fingerprint")
+    __slots__ = ("model", "handoff_id", "position", "fingerprint", "ttl_seconds", "no_wait")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     position: int
     fingerprint: str
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    ttl_seconds: float
+    no_wait: bool
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
