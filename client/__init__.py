@@ -7,7 +7,7 @@
     h = c.pull("demo-hybrid", "req-42", timeout=30)       # h.position, h.state[name] -> ndarray
 """
 
-from ._client import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, HandoffClient, PushResult
+from ._client import DEFAULT_CHUNK_BYTES, DEFAULT_RETRY, DEFAULT_TIMEOUT, NO_RETRY, HandoffClient, PulledTensors, PushResult, RetryPolicy
 from ._contract import Carried, Contract, Handoff, ManifestError
 from ._dtypes import DTYPES
 from ._errors import (
@@ -44,7 +44,9 @@ from ._errors import (
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_RETRY",
     "DEFAULT_TIMEOUT",
+    "NO_RETRY",
     "DTYPES",
     "AlreadyClaimed",
     "BadChunk",
@@ -72,7 +74,10 @@ __all__ = [
     "PositionOutOfRange",
     "Precondition",
     "PushAborted",
+    "PulledTensors",
+    "PushAborted",
     "PushResult",
+    "RetryPolicy",
     "RpcFailed",
     "StaleClaim",
     "UnknownHandoff",

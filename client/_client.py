@@ -19,14 +19,27 @@ the broker's own dependencies.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import numpy as np
 
-from ._contract import Contract, Handoff, TensorSpans
-from ._errors import BadChunk, DigestMismatch, FingerprintMismatch, HandoffError, MalformedRequest, from_rpc_error
+from ._contract import Carried, Contract, Handoff, TensorSpans
+from ._errors import (
+    BadChunk,
+    BrokerUnavailable,
+    CallCancelled,
+    DigestMismatch,
+    FingerprintMismatch,
+    HandoffError,
+    MalformedRequest,
+    PushAborted,
+    from_rpc_error,
+)
 from ._frames import ChunkFrame, crc32c, encode_chunk, handoff_digest
 from ._proto import handoff_pb2 as pb
 from ._wire import contract_from_proto, decode_pull_response, identity, method_path
@@ -47,6 +60,45 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the client retries what is safe to retry: exponential backoff with jitter, a bounded number of attempts,
+    and never past the call's own timeout.
+
+    Safe: a push that met UNAVAILABLE (the broker drops a broken push at once, and a repeat of a committed one is
+    recognised byte for byte and changes nothing); a pull whose stream broke or whose push was aborted (the claim
+    goes back to the pool); a confirm (idempotent for its claim). Never retried: anything the broker refused.
+    """
+
+    attempts: int = 4
+    initial_backoff: float = 0.05
+    max_backoff: float = 1.0
+    multiplier: float = 2.0
+
+    def delays(self) -> Iterator[float]:
+        delay = self.initial_backoff
+        for _ in range(self.attempts - 1):
+            yield random.uniform(delay / 2, delay)
+            delay = min(delay * self.multiplier, self.max_backoff)
+
+
+DEFAULT_RETRY = RetryPolicy()
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+def retryable_push(error: HandoffError) -> bool:
+    """A push is retried only when the broker could not be reached (and is not draining: go elsewhere)."""
+    return type(error) is BrokerUnavailable
+
+
+def retryable_pull(error: HandoffError) -> bool:
+    """A pull is retried when its stream broke or its push was aborted: the hand-off is, or will be, there again."""
+    return type(error) in (BrokerUnavailable, CallCancelled, PushAborted)
 
 
 @dataclass(frozen=True)
@@ -71,12 +123,14 @@ class HandoffClient:
         timeout: float = DEFAULT_TIMEOUT,
         credentials: grpc.ChannelCredentials | None = None,
         options: tuple[tuple[str, object], ...] = (),
+        retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:
         if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_MESSAGE_BYTES - 1024}, got {chunk_bytes}")
         self.target = target
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
+        self.retry = retry
         all_options = CHANNEL_OPTIONS + tuple(options)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=all_options)
@@ -153,17 +207,32 @@ class HandoffClient:
         tensors: Mapping[str, np.ndarray],
         *,
         timeout: float | None = None,
+        ttl: float | None = None,
+        wait_for_room: bool = True,
     ) -> PushResult:
         """Hand the carried tensors after `position` tokens to the broker under `handoff_id`.
 
-        Extra entries in `tensors` are ignored; the carried ones must be exactly as declared.
+        Extra entries in `tensors` are ignored; the carried ones must be exactly as declared. `ttl` shortens how
+        long the hand-off may wait for its decoder; `wait_for_room=False` fails at once with CapacityExhausted
+        when the broker is full, instead of waiting (up to `timeout`) for room.
         """
         contract = self.get_contract(model)
         handoff = contract.take(position, tensors)
         header = pb.PushRequest(
-            header=pb.PushHeader(model=model, handoff_id=handoff_id, position=position, fingerprint=contract.fingerprint)
+            header=pb.PushHeader(
+                model=model,
+                handoff_id=handoff_id,
+                position=position,
+                fingerprint=contract.fingerprint,
+                ttl_seconds=ttl or 0.0,
+                no_wait=not wait_for_room,
+            )
         ).SerializeToString()
-        response = self._call(self._push, self._push_frames(contract, header, handoff), timeout)
+
+        def attempt(remaining: float) -> pb.PushResponse:
+            return self._call(self._push, self._push_frames(contract, header, handoff), remaining)
+
+        response = self._with_retries(attempt, retryable_push, timeout)
         return PushResult(response.handoff_id, response.bytes, response.chunks, response.digest, response.duplicate)
 
     def _push_frames(self, contract: Contract, header: bytes, handoff: Handoff) -> Iterator[bytes]:
@@ -178,21 +247,93 @@ class HandoffClient:
 
     def pull(self, model: str, handoff_id: str, *, timeout: float | None = None) -> Handoff:
         """Claim the hand-off (waiting up to `timeout` for its push), receive it whole, verify it, confirm it."""
+
+        def attempt(remaining: float) -> Handoff:
+            tensors = self.pull_tensors(model, handoff_id, timeout=remaining)
+            for _ in tensors:
+                pass
+            return tensors.handoff
+
+        return self._with_retries(attempt, retryable_pull, timeout)
+
+    def pull_tensors(self, model: str, handoff_id: str, *, timeout: float | None = None) -> PulledTensors:
+        """Claim the hand-off and yield `(carried, array)` as each tensor arrives whole, for a decoder that starts
+        on layer 0 while later layers are still on the wire (the broker streams a push still under way).
+
+        Nothing yielded may be kept unless the iteration ends normally: only then has every chunk been checked
+        against the digest of a push that passed every check, and the claim been confirmed (`.handoff` is then
+        the whole hand-off). If it raises — PushAborted when the push failed — discard what was yielded.
+        Not retried: the caller has already seen part of it.
+        """
         contract = self.get_contract(model)
         deadline = self.timeout if timeout is None else timeout
         stream = self._pull(pb.PullRequest(model=model, handoff_id=handoff_id), timeout=deadline)
+        return PulledTensors(self, contract, handoff_id, stream, deadline)
+
+    def _confirm_claim(self, model: str, handoff_id: str, claim: int, timeout: float) -> None:
+        request = pb.ConfirmRequest(model=model, handoff_id=handoff_id, claim=claim)
+        self._with_retries(lambda remaining: self._call(self._confirm, request, remaining), retryable_push, timeout)
+
+    def cancel(self, model: str, handoff_id: str, *, timeout: float | None = None) -> bool:
+        """Free the hand-off wherever it is (router abort); True if there was one to free."""
+        return self._call(self._cancel, pb.CancelRequest(model=model, handoff_id=handoff_id), timeout).cancelled
+
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float | None) -> object:
         try:
-            header, handoff = self._receive(contract, handoff_id, stream)
+            return method(request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def _with_retries(
+        self, attempt: Callable[[float], T], retryable: Callable[[HandoffError], bool], timeout: float | None
+    ) -> T:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        delays = self.retry.delays()
+        while True:
+            try:
+                return attempt(max(deadline - time.monotonic(), 0.0))
+            except HandoffError as e:
+                delay = next(delays, None)
+                if not retryable(e) or delay is None or time.monotonic() + delay >= deadline:
+                    raise
+                logger.info("retrying in %.3f s after %s: %s", delay, type(e).__name__, e.message)
+                time.sleep(delay)
+
+
+class PulledTensors:
+    """One pull's stream: iterate for `(carried, array)` as each tensor completes; then `.handoff`, confirmed."""
+
+    def __init__(
+        self, client: HandoffClient, contract: Contract, handoff_id: str, stream: Iterator, timeout: float
+    ) -> None:
+        self._client = client
+        self._contract = contract
+        self._handoff_id = handoff_id
+        self._stream = stream
+        self._timeout = timeout
+        self._handoff: Handoff | None = None
+
+    @property
+    def handoff(self) -> Handoff:
+        """The whole hand-off; available once iteration has ended normally (and the claim is confirmed)."""
+        if self._handoff is None:
+            raise RuntimeError("the pull has not been iterated to its end")
+        return self._handoff
+
+    def __iter__(self) -> Iterator[tuple[Carried, np.ndarray]]:
+        try:
+            header, handoff = yield from self._receive()
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         except BaseException:
-            stream.cancel()  # the broker returns the claim at once, for the next pull
+            self._stream.cancel()  # the broker returns the claim at once, for the next pull
             raise
-        self._call(self._confirm, pb.ConfirmRequest(model=model, handoff_id=handoff_id, claim=header.claim), timeout)
-        return handoff
+        contract = self._contract
+        self._client._confirm_claim(contract.model, self._handoff_id, header.claim, self._timeout)
+        self._handoff = handoff
 
-    def _receive(self, contract: Contract, handoff_id: str, stream: Iterator) -> tuple[pb.PullHeader, Handoff]:
-        model = contract.model
+    def _receive(self) -> Iterator[tuple[Carried, np.ndarray]]:
+        contract, model, stream = self._contract, self._contract.model, self._stream
         header = next(stream, None)
         if not isinstance(header, pb.PullHeader):
             raise MalformedRequest("the broker's pull stream did not start with a header", model)
@@ -211,24 +352,16 @@ class HandoffClient:
                     raise BadChunk(model, message.tensor, message.offset, length, "fails its CRC32C on arrival")
                 flats[index][message.offset : message.offset + length] = np.frombuffer(message.data, np.uint8)
                 entries.append((index, message.offset, length, message.crc32c))
+                if spans[index].complete:
+                    yield contract.carried[index], arrays[index]
             elif isinstance(message, pb.PullEnd):
                 for tensor_spans in spans:
                     tensor_spans.check_complete()
                 got = handoff_digest(entries)
                 if got != message.digest:
-                    raise DigestMismatch(model, handoff_id, message.digest, got)
+                    raise DigestMismatch(model, self._handoff_id, message.digest, got)
                 state = {c.name: a for c, a in zip(contract.carried, arrays)}
                 return header, Handoff(header.position, state)
             else:
                 raise MalformedRequest("the broker's pull stream sent a second header", model)
         raise MalformedRequest("the broker's pull stream ended without its end message", model)
-
-    def cancel(self, model: str, handoff_id: str, *, timeout: float | None = None) -> bool:
-        """Free the hand-off wherever it is (router abort); True if there was one to free."""
-        return self._call(self._cancel, pb.CancelRequest(model=model, handoff_id=handoff_id), timeout).cancelled
-
-    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float | None) -> object:
-        try:
-            return method(request, timeout=self.timeout if timeout is None else timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None

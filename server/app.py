@@ -106,10 +106,15 @@ class Broker:
         return self
 
     def stop(self, grace: float = 5.0) -> StoreStats:
-        """Drain, give streams in flight `grace` seconds, stop; the stats of what was still held."""
+        """Drain, give streams in flight `grace` seconds, stop; the stats of what was still held.
+
+        While draining the server still takes calls, so a decoder whose stream is finishing can confirm; new pushes
+        and claims get UNAVAILABLE (DRAINING) and health says NOT_SERVING, so clients and probes go elsewhere.
+        """
         self.health.enter_graceful_shutdown()
         self.store.drain()
-        self.server.stop(grace).wait()
+        self.store.settled(grace)
+        self.server.stop(0.2).wait()
         self.store.close()
         stats = self.store.stats()
         logger.info(

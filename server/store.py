@@ -198,6 +198,17 @@ class Store:
             self._draining = True
             self._changed.notify_all()
 
+    def settled(self, timeout: float) -> bool:
+        """Wait up to `timeout` s until no push is under way and no claim awaits its stream's end or its confirm."""
+        deadline = self._clock() + timeout
+        with self._lock:
+            while any(not e.committed or e.claimed for e in self._entries.values()):
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    return False
+                self._changed.wait(min(remaining, WAIT_SLICE))
+            return True
+
     def contract(self, model: str) -> Contract:
         try:
             return self.contracts[model]
@@ -361,6 +372,8 @@ class Store:
                 if entry is not None:
                     raise AlreadyClaimed(model, handoff_id)
                 tomb = self._tombstones.get(key)
+                if tomb is not None and tomb.how == "cancelled":
+                    raise HandoffCancelled(model, handoff_id)
                 if tomb is not None:
                     raise HandoffGone(model, handoff_id, _gone_words(tomb.how))
                 waited = self._clock() - started

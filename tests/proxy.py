@@ -1,0 +1,99 @@
+"""A TCP proxy on loopback that tests use to break a connection the way networks do.
+
+    cut_after(n)   the next connection is closed (RST) once n bytes have crossed it toward the broker or back
+    freeze()       every connection stops carrying bytes but stays open: a peer gone without a FIN
+
+It forwards everything else as it is. Every socket and thread it opens, `close` ends.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+
+class Proxy:
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self.connections = 0
+        self._cut_after: int | None = None
+        self._frozen = threading.Event()
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def cut_after(self, n: int) -> None:
+        self._cut_after = n
+
+    def freeze(self) -> None:
+        self._frozen.set()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            budget, self._cut_after = self._cut_after, None
+            crossed = [0]
+            with self._lock:
+                self.connections += 1
+                self._sockets += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                t = threading.Thread(target=self._pipe, args=(src, dst, budget, crossed, client, upstream), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pipe(self, src, dst, budget, crossed, *pair) -> None:
+        try:
+            while not self._closed.is_set():
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if self._frozen.is_set():
+                    self._closed.wait()  # hold the bytes and the connection: no FIN, no RST
+                    return
+                with self._lock:
+                    crossed[0] += len(data)
+                    cut = budget is not None and crossed[0] >= budget
+                if cut:
+                    for s in pair:
+                        _reset(s)
+                    return
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            if not self._frozen.is_set():
+                try:
+                    dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() alone does not
+        except OSError:
+            pass
+        self.listener.close()
+        with self._lock:
+            for s in self._sockets:
+                _reset(s)
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+def _reset(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    except OSError:
+        pass
