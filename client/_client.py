@@ -30,6 +30,7 @@ import numpy as np
 
 from ._contract import Carried, Contract, Handoff, TensorSpans
 from ._errors import (
+    AlreadyClaimed,
     BadChunk,
     BrokerUnavailable,
     CallCancelled,
@@ -160,6 +161,11 @@ class HandoffClient:
             request_serializer=pb.ConfirmRequest.SerializeToString,
             response_deserializer=pb.ConfirmResponse.FromString,
         )
+        self._status = self._channel.unary_unary(
+            method_path("GetStatus"),
+            request_serializer=pb.StatusRequest.SerializeToString,
+            response_deserializer=pb.StatusResponse.FromString,
+        )
         self._cancel = self._channel.unary_unary(
             method_path("CancelHandoff"),
             request_serializer=pb.CancelRequest.SerializeToString,
@@ -248,15 +254,12 @@ class HandoffClient:
     def pull(self, model: str, handoff_id: str, *, timeout: float | None = None) -> Handoff:
         """Claim the hand-off (waiting up to `timeout` for its push), receive it whole, verify it, confirm it."""
 
-        def attempt(remaining: float) -> Handoff:
-            tensors = self.pull_tensors(model, handoff_id, timeout=remaining)
-            for _ in tensors:
-                pass
-            return tensors.handoff
+        attempts = _PullAttempts(self, model, handoff_id)
+        return self._with_retries(attempts.run, attempts.retryable, timeout)
 
-        return self._with_retries(attempt, retryable_pull, timeout)
-
-    def pull_tensors(self, model: str, handoff_id: str, *, timeout: float | None = None) -> PulledTensors:
+    def pull_tensors(
+        self, model: str, handoff_id: str, *, timeout: float | None = None, supersedes: int = 0
+    ) -> PulledTensors:
         """Claim the hand-off and yield `(carried, array)` as each tensor arrives whole, for a decoder that starts
         on layer 0 while later layers are still on the wire (the broker streams a push still under way).
 
@@ -267,7 +270,8 @@ class HandoffClient:
         """
         contract = self.get_contract(model)
         deadline = self.timeout if timeout is None else timeout
-        stream = self._pull(pb.PullRequest(model=model, handoff_id=handoff_id), timeout=deadline)
+        request = pb.PullRequest(model=model, handoff_id=handoff_id, supersedes=supersedes)
+        stream = self._pull(request, timeout=deadline)
         return PulledTensors(self, contract, handoff_id, stream, deadline)
 
     def _confirm_claim(self, model: str, handoff_id: str, claim: int, timeout: float) -> None:
@@ -277,6 +281,10 @@ class HandoffClient:
     def cancel(self, model: str, handoff_id: str, *, timeout: float | None = None) -> bool:
         """Free the hand-off wherever it is (router abort); True if there was one to free."""
         return self._call(self._cancel, pb.CancelRequest(model=model, handoff_id=handoff_id), timeout).cancelled
+
+    def status(self, *, timeout: float | None = None) -> pb.StatusResponse:
+        """What the broker holds now: hand-offs by state, resident and maximum bytes, the oldest's age."""
+        return self._call(self._status, pb.StatusRequest(), timeout)
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float | None) -> object:
         try:
@@ -300,6 +308,33 @@ class HandoffClient:
                 time.sleep(delay)
 
 
+class _PullAttempts:
+    """Successive attempts at one pull. A retry names the claim its broken predecessor held, so the broker hands it
+    over at once; and after a break, ALREADY_CLAIMED may be that very claim, not yet noticed dead: retry it too."""
+
+    def __init__(self, client: HandoffClient, model: str, handoff_id: str) -> None:
+        self.client = client
+        self.model = model
+        self.handoff_id = handoff_id
+        self.claim = 0
+        self.broke = False
+
+    def run(self, timeout: float) -> Handoff:
+        tensors = self.client.pull_tensors(self.model, self.handoff_id, timeout=timeout, supersedes=self.claim)
+        try:
+            for _ in tensors:
+                pass
+            return tensors.handoff
+        except HandoffError as e:
+            self.broke = self.broke or retryable_pull(e)
+            raise
+        finally:
+            self.claim = tensors.claim or self.claim
+
+    def retryable(self, error: HandoffError) -> bool:
+        return retryable_pull(error) or (self.broke and isinstance(error, AlreadyClaimed))
+
+
 class PulledTensors:
     """One pull's stream: iterate for `(carried, array)` as each tensor completes; then `.handoff`, confirmed."""
 
@@ -312,6 +347,8 @@ class PulledTensors:
         self._stream = stream
         self._timeout = timeout
         self._handoff: Handoff | None = None
+        self.claim = 0
+        """The claim's generation, once the header has come."""
 
     @property
     def handoff(self) -> Handoff:
@@ -337,6 +374,7 @@ class PulledTensors:
         header = next(stream, None)
         if not isinstance(header, pb.PullHeader):
             raise MalformedRequest("the broker's pull stream did not start with a header", model)
+        self.claim = header.claim
         if header.fingerprint != contract.fingerprint:
             raise FingerprintMismatch(model, header.fingerprint, contract.fingerprint)
         arrays = [np.empty(c.shape, c.numpy_dtype) for c in contract.carried]

@@ -146,7 +146,12 @@ class HandoffBrokerServicer:
     @_mapped_stream
     def PullHandoff(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         claim = self.store.claim(
-            request.model, request.handoff_id, _wait_budget(context), context.is_active, interrupt=context.cancel
+            request.model,
+            request.handoff_id,
+            _wait_budget(context),
+            context.is_active,
+            interrupt=context.cancel,
+            supersedes=request.supersedes,
         )
         progress = _Progress()
         # Runs however the call ends: a stream that broke before its end returns the claim to the pool at once.
@@ -175,6 +180,22 @@ class HandoffBrokerServicer:
         cancelled = self.store.cancel(request.model, request.handoff_id)
         logger.info("cancel %s/%s: %s", request.model, request.handoff_id, "freed" if cancelled else "nothing held")
         return pb.CancelResponse(cancelled=cancelled)
+
+
+    @_mapped
+    def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        stats = self.store.stats()
+        return pb.StatusResponse(
+            receiving=stats.receiving,
+            ready=stats.ready,
+            claimed=stats.claimed,
+            resident_bytes=stats.resident_bytes,
+            max_bytes=stats.max_bytes,
+            oldest_seconds=stats.oldest_seconds,
+            tombstones=stats.tombstones,
+            draining=stats.draining,
+            contracts=[contract_to_proto(self.store.contracts[m]) for m in sorted(self.store.contracts)],
+        )
 
 
 class _Progress:

@@ -116,6 +116,7 @@ class _Entry:
     push_interrupt: Interrupt | None = None
     pull_interrupt: Interrupt | None = None
     ended: str | None = None  # why it left the store: aborted, replaced, expired, cancelled, confirmed
+    created: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -160,6 +161,8 @@ class StoreStats:
     resident_bytes: int
     max_bytes: int
     tombstones: int
+    oldest_seconds: float = 0.0
+    draining: bool = False
 
 
 class Store:
@@ -225,6 +228,8 @@ class Store:
                 resident_bytes=self._resident,
                 max_bytes=self.config.max_bytes,
                 tombstones=len(self._tombstones),
+                oldest_seconds=max((self._clock() - e.created for e in entries), default=0.0),
+                draining=self._draining,
             )
 
     # -- prefill side -------------------------------------------------------------------------------------------------
@@ -284,7 +289,7 @@ class Store:
                 ttl = self.config.ttl if ttl <= 0 else min(ttl, self.config.ttl)
                 session = _NewPush(self, contract, key)
                 entry = _Entry(key, contract, position, ttl, session, threading.Condition(self._lock))
-                entry.push_activity = self._clock()
+                entry.created = entry.push_activity = self._clock()
                 entry.push_interrupt = interrupt
                 session.entry = entry
                 self._entries[key] = entry
@@ -346,18 +351,24 @@ class Store:
         wait: float,
         is_active: Callable[[], bool] = lambda: True,
         interrupt: Interrupt | None = None,
+        supersedes: int = 0,
     ) -> Claim:
         """Claim a hand-off, waiting up to `wait` seconds for its push to begin; a claim made while the push is under
-        way streams its chunks as they arrive (`feed`)."""
+        way streams its chunks as they arrive (`feed`). `supersedes` names the caller's own earlier claim, which
+        this one replaces if it still stands."""
         self.contract(model)
         _check_id(model, handoff_id)
         key = (model, handoff_id)
         started = self._clock()
+        stale: list[Interrupt] = []
         with self._lock:
             while True:
                 if self._draining:
                     raise Draining()
                 entry = self._entries.get(key)
+                if entry is not None and entry.claimed and supersedes and entry.generation == supersedes:
+                    logger.info("claim %d on %s/%s superseded by its own retry", supersedes, model, handoff_id)
+                    stale = self._unclaim(entry)
                 if entry is not None and not entry.claimed:
                     entry.generation += 1
                     entry.claimed = entry.streaming = True
@@ -365,6 +376,7 @@ class Store:
                     entry.pull_activity = self._clock()
                     entry.pull_interrupt = interrupt
                     chunks = len(entry.ordered) if entry.committed else 0
+                    _run_later(stale)
                     return Claim(
                         model, handoff_id, entry.generation, entry.position, entry.contract.fingerprint,
                         entry.nbytes, chunks, entry,
@@ -528,6 +540,12 @@ class Store:
     def _bury(self, key: HandoffKey, how: str, generation: int, digest: str) -> None:
         self._tombstones.pop(key, None)
         self._tombstones[key] = _Tombstone(how, generation, digest, self._clock() + self.config.tombstone_ttl)
+
+
+def _run_later(interrupts: list[Interrupt]) -> None:
+    """Interrupts due while the lock is held: run them on their own thread rather than wait for the lock's release."""
+    if interrupts:
+        threading.Thread(target=_run, args=(interrupts,), name="handoff-interrupt", daemon=True).start()
 
 
 def _run(interrupts: list[Interrupt]) -> None:

@@ -299,6 +299,21 @@ def test_a_pull_whose_connection_breaks_is_retried_and_gets_the_whole_hand_off(b
         proxy.close()
 
 
+def test_a_retried_pull_takes_over_its_own_broken_claim_at_once(broker, client, contracts):
+    tensors = seeded_tensors(contracts["wide-attention"], seed=3)
+    client.push("wide-attention", "r", 1, tensors)
+    with open_channel(broker.address) as channel:
+        zombie = raw_pull(channel, "wide-attention", "r")
+        claim = next(zombie).claim  # the broker still streams to this claim, as if the break were unnoticed
+        assert isinstance(raises_handoff_error(client.pull, "wide-attention", "r", timeout=0.3), AlreadyClaimed)
+        pulled = client.pull_tensors("wide-attention", "r", supersedes=claim)
+        assert [c.name for c, _ in pulled] and pulled.claim == claim + 1
+        assert_same_bits(pulled.handoff.state, tensors)
+        with pytest.raises(grpc.RpcError):
+            list(zombie)  # the superseded stream was cut
+    assert_holds_nothing(broker)
+
+
 def test_a_decoder_whose_connection_half_dies_loses_its_claim_by_keepalive(start_broker, contracts):
     broker = start_broker(lease=60.0, keepalive_seconds=0.5, keepalive_timeout_seconds=0.5)
     tensors = seeded_tensors(contracts["wide-attention"], seed=2)

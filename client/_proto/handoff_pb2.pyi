@@ -149,12 +149,14 @@ class PushResponse(_message.Message):
     def __init__(self, handoff_id: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., digest: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "handoff_id")
+    __slots__ = ("model", "handoff_id", "supersedes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDES_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ...) -> None: ...
+    supersedes: int
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("model", "handoff_id", "position", "fingerprint", "claim", "bytes", "chunks")
@@ -217,3 +219,29 @@ class CancelResponse(_message.Message):
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     cancelled: bool
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("receiving", "ready", "claimed", "resident_bytes", "max_bytes", "oldest_seconds", "tombstones", "draining", "contracts")
+    RECEIVING_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOMBSTONES_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    CONTRACTS_FIELD_NUMBER: _ClassVar[int]
+    receiving: int
+    ready: int
+    claimed: int
+    resident_bytes: int
+    max_bytes: int
+    oldest_seconds: float
+    tombstones: int
+    draining: bool
+    contracts: _containers.RepeatedCompositeFieldContainer[Contract]
+    def __init__(self, receiving: _Optional[int] = ..., ready: _Optional[int] = ..., claimed: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., oldest_seconds: _Optional[float] = ..., tombstones: _Optional[int] = ..., draining: _Optional[bool] = ..., contracts: _Optional[_Iterable[_Union[Contract, _Mapping]]] = ...) -> None: ...
