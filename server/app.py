@@ -20,6 +20,7 @@ from handoff_client._client import MAX_MESSAGE_BYTES
 from handoff_client._contract import Contract
 from handoff_client._wire import SERVICE_NAME
 
+from . import memory
 from .contracts import default_contracts
 from .service import HandoffBrokerServicer, rpc_handler
 from .store import Store, StoreConfig, StoreStats
@@ -91,6 +92,8 @@ class Broker:
         return f"{_bracketed(self.config.host)}:{self.port}"
 
     def start(self) -> Broker:
+        memory.tune_allocator()
+        self.store.on_empty = memory.trim
         self.store.start()
         self.server.start()
         for service in ("", SERVICE_NAME):

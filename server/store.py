@@ -180,6 +180,8 @@ class Store:
         self._draining = False
         self._closed = threading.Event()
         self._sweeper: threading.Thread | None = None
+        self.on_empty: Callable[[], None] | None = None
+        """Called by the sweeper when the store has just emptied (the broker hands memory back to the system)."""
 
     # -- life of the store --------------------------------------------------------------------------------------------
 
@@ -500,9 +502,14 @@ class Store:
         _run(interrupts)
 
     def _sweep_forever(self) -> None:
+        was_empty = True
         while not self._closed.wait(self.config.sweep_interval):
             try:
                 self.sweep()
+                empty = not self._entries
+                if empty and not was_empty and self.on_empty is not None:
+                    self.on_empty()
+                was_empty = empty
             except Exception:  # a sweeper that dies would let memory grow unbounded: log and go on
                 logger.exception("sweep failed")
 
