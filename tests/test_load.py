@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from conftest import MANIFESTS
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _load_module():
     spec = importlib.util.spec_from_file_location("load", ROOT / "benchmarks" / "load.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["load"] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
     return module
 
