@@ -1,0 +1,670 @@
+"""Side by side, on the same payloads, in one run: how fast a hand-off crosses handoff-broker, against what a user
+would pick instead.
+
+    python benchmarks/bench.py                 # 1, 16, 256 MiB and a Llama-3-8B hand-off (4k context, bf16)
+    python benchmarks/bench.py --quick         # small sizes, fewer runs (the test suite's smoke run)
+    python benchmarks/bench.py --json out.json
+
+Every path is three processes on this machine — a producer, a relay in the middle, a consumer — and every payload is
+verified at the consumer (CRC32C against the producer's). Paths:
+    memcpy x2     one process copies the payload twice: the copy limit
+    tcp relay     raw sockets through a middle process, 4 MiB buffers, streaming through
+    redis relay   RPUSH / BLPOP of 4 MiB values through redis-server (skipped when there is no redis-server)
+    naive grpc    protobuf `bytes` chunks of 1 MiB, client-stream in, store, server-stream out
+    handoff       handoff-broker end to end: a pusher process, the broker, a puller process, the client library;
+                  the pull is made before the push, so the broker streams the push through as it is checked
+Throughput is bytes over (consumer done - producer start), the median of --runs. Ratios hold only within one run on
+one machine: single runs vary by tens of percent on a shared 2-core box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import numpy as np
+
+MiB = 1 << 20
+RELAY_BUFFER = 4 * MiB
+HERE = Path(__file__).resolve()
+
+
+# -- payloads -------------------------------------------------------------------------------------------------------
+
+
+def payload(nbytes: int, seed: int = 1) -> np.ndarray:
+    """Deterministic bytes that every process can make for itself."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def crc(buffer) -> int:
+    from handoff_client._frames import crc32c
+
+    return crc32c(memoryview(buffer).cast("B"))
+
+
+def manifest(model: str, nbytes: int) -> dict:
+    """A contract of `nbytes` in bfloat16 tensors of at most 8 MiB, two a layer (a key and a value cache)."""
+    rows_total = nbytes // (1024 * 2)
+    per = min(rows_total, 4096)
+    carried, layer, left = [], 0, rows_total
+    while left > 0:
+        for kind in ("k_cache", "v_cache"):
+            if left <= 0:
+                break
+            rows = min(per, left)
+            carried.append({"name": f"layers.{layer}.self_attn.{kind}", "layer": layer, "rows": rows, "cols": 1024, "dtype": "bfloat16"})
+            left -= rows
+        layer += 1
+    return {"model": model, "ctx": 1 << 20, "hidden": 4096, "carried": carried}
+
+
+LLAMA3_8B_4K = {
+    "model": "llama-3-8b-4k",
+    "ctx": 4096,
+    "hidden": 4096,
+    "carried": [
+        {"name": f"layers.{i}.self_attn.{kind}", "layer": i, "rows": 4096, "cols": 8 * 128, "dtype": "bfloat16"}
+        for i in range(32)
+        for kind in ("k_cache", "v_cache")
+    ],
+}
+
+
+# -- process roles (run as `bench.py role ...`; each prints one JSON line) -------------------------------------------
+
+
+def role_tcp_relay(port_file: str, runs: int) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    Path(port_file).write_text(str(server.getsockname()[1]))
+    buffer = bytearray(RELAY_BUFFER)
+    view = memoryview(buffer)
+    for _ in range(runs):
+        peers = {}
+        while len(peers) < 2:
+            conn, _ = server.accept()
+            peers[conn.recv(1)] = conn
+        src, dst = peers[b"P"], peers[b"C"]
+        while n := src.recv_into(buffer):
+            dst.sendall(view[:n])
+        src.close()
+        dst.close()
+
+
+def role_tcp_producer(port: int, nbytes: int) -> None:
+    data = memoryview(payload(nbytes))
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"P")
+    t0 = time.monotonic()
+    for at in range(0, nbytes, RELAY_BUFFER):
+        sock.sendall(data[at : at + RELAY_BUFFER])
+    sock.close()
+    print(json.dumps({"t0": t0}))
+
+
+def role_tcp_consumer(port: int, nbytes: int) -> None:
+    out = np.empty(nbytes, np.uint8)
+    view = memoryview(out)
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"C")
+    print("ready", flush=True)
+    got = 0
+    while got < nbytes:
+        got += sock.recv_into(view[got:], min(RELAY_BUFFER, nbytes - got))
+    t1 = time.monotonic()
+    print(json.dumps({"t1": t1, "crc": crc(out)}))
+
+
+def role_memcpy(nbytes: int) -> None:
+    src = payload(nbytes)
+    mid, out = np.empty_like(src), np.empty_like(src)
+    mid[:] = 0
+    out[:] = 0  # touch the pages first: we time copies, not page faults
+    t0 = time.monotonic()
+    np.copyto(mid, src)
+    np.copyto(out, mid)
+    t1 = time.monotonic()
+    print(json.dumps({"t0": t0, "t1": t1, "crc": crc(out)}))
+
+
+def _resp(*parts: bytes) -> bytes:
+    return b"".join([f"*{len(parts)}\r\n".encode()] + [b"$%d\r\n%s\r\n" % (len(p), p) for p in parts])
+
+
+class _Redis:
+    """Just enough of RESP for RPUSH and BLPOP."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.file = self.sock.makefile("rb", buffering=RELAY_BUFFER)
+
+    def command(self, *parts: bytes) -> object:
+        self.sock.sendall(_resp(*parts))
+        return self._read()
+
+    def _read(self) -> object:
+        line = self.file.readline()
+        kind, rest = line[:1], line[1:-2]
+        if kind in (b"+", b":"):
+            return rest
+        if kind == b"$":
+            n = int(rest)
+            return None if n < 0 else self.file.read(n + 2)[:-2]
+        if kind == b"*":
+            return [self._read() for _ in range(int(rest))]
+        raise RuntimeError(line)
+
+
+def role_redis_producer(port: int, nbytes: int, key: str) -> None:
+    data = payload(nbytes).tobytes()
+    r = _Redis(port)
+    t0 = time.monotonic()
+    for at in range(0, nbytes, RELAY_BUFFER):
+        r.command(b"RPUSH", key.encode(), data[at : at + RELAY_BUFFER])
+    print(json.dumps({"t0": t0}))
+
+
+def role_redis_consumer(port: int, nbytes: int, key: str) -> None:
+    out = np.empty(nbytes, np.uint8)
+    r = _Redis(port)
+    print("ready", flush=True)
+    got = 0
+    while got < nbytes:
+        _, value = r.command(b"BLPOP", key.encode(), b"30")
+        out[got : got + len(value)] = np.frombuffer(value, np.uint8)
+        got += len(value)
+    print(json.dumps({"t1": time.monotonic(), "crc": crc(out)}))
+
+
+def role_naive_grpc_relay(port_file: str) -> None:
+    import grpc
+
+    from handoff_client._proto import handoff_pb2 as pb
+
+    held: dict[str, list[bytes]] = {}
+    done: dict[str, threading.Event] = {}
+    lock = threading.Lock()
+
+    def event(key: str) -> threading.Event:
+        with lock:
+            return done.setdefault(key, threading.Event())
+
+    def push(requests, context):
+        key, chunks = "", []
+        for request in requests:
+            if request.HasField("header"):
+                key = request.header.handoff_id
+            else:
+                chunks.append(request.chunk.data)
+        held[key] = chunks
+        event(key).set()
+        return pb.PushResponse(handoff_id=key)
+
+    def pull(request, context):
+        event(request.handoff_id).wait()
+        for data in held.pop(request.handoff_id):
+            yield pb.PullResponse(chunk=pb.Chunk(data=data))
+
+    server = grpc.server(futures.ThreadPoolExecutor(8), options=[("grpc.max_receive_message_length", 64 * MiB)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("naive.Relay", {
+        "Push": grpc.stream_unary_rpc_method_handler(push, pb.PushRequest.FromString, pb.PushResponse.SerializeToString),
+        "Pull": grpc.unary_stream_rpc_method_handler(pull, pb.PullRequest.FromString, pb.PullResponse.SerializeToString),
+    }),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    Path(port_file).write_text(str(port))
+    server.wait_for_termination()
+
+
+def _naive_channel(port: int):
+    import grpc
+
+    from handoff_client._proto import handoff_pb2 as pb
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 * MiB)])
+    push = channel.stream_unary("/naive.Relay/Push", pb.PushRequest.SerializeToString, pb.PushResponse.FromString)
+    pull = channel.unary_stream("/naive.Relay/Pull", pb.PullRequest.SerializeToString, pb.PullResponse.FromString)
+    return channel, push, pull, pb
+
+
+def _naive_push(push, pb, key: str, data: bytes) -> None:
+    def requests():
+        yield pb.PushRequest(header=pb.PushHeader(handoff_id=key))
+        for at in range(0, len(data), MiB):
+            yield pb.PushRequest(chunk=pb.Chunk(data=data[at : at + MiB]))
+
+    push(requests())
+
+
+def _naive_pull(pull, pb, key: str, out: np.ndarray) -> None:
+    got = 0
+    for response in pull(pb.PullRequest(handoff_id=key)):
+        data = response.chunk.data
+        out[got : got + len(data)] = np.frombuffer(data, np.uint8)
+        got += len(data)
+
+
+def role_naive_grpc_producer(port: int, nbytes: int, key: str) -> None:
+    _, push, _, pb = _naive_channel(port)
+    data = payload(nbytes).tobytes()
+    t0 = time.monotonic()
+    _naive_push(push, pb, key, data)
+    print(json.dumps({"t0": t0}))
+
+
+def role_naive_grpc_consumer(port: int, nbytes: int, key: str) -> None:
+    _, _, pull, pb = _naive_channel(port)
+    out = np.empty(nbytes, np.uint8)
+    print("ready", flush=True)
+    _naive_pull(pull, pb, key, out)
+    print(json.dumps({"t1": time.monotonic(), "crc": crc(out)}))
+
+
+def _tensors(contract, seed: int = 1) -> dict[str, np.ndarray]:
+    data = payload(contract.nbytes, seed)
+    tensors, at = {}, 0
+    for c in contract.carried:
+        tensors[c.name] = data[at : at + c.nbytes].view(c.numpy_dtype).reshape(c.shape)
+        at += c.nbytes
+    return tensors
+
+
+def role_handoff_producer(target: str, model: str, key: str) -> None:
+    from handoff_client import HandoffClient
+
+    with HandoffClient(target) as client:
+        tensors = _tensors(client.get_contract(model))
+        t0 = time.monotonic()
+        client.push(model, key, 1, tensors)
+        print(json.dumps({"t0": t0, "t_end": time.monotonic()}))
+
+
+def role_handoff_consumer(target: str, model: str, key: str) -> None:
+    from handoff_client import HandoffClient
+
+    with HandoffClient(target) as client:
+        contract = client.get_contract(model)
+        print("ready", flush=True)
+        pulled = client.pull_tensors(model, key, timeout=120)
+        first = None
+        for _ in pulled:
+            first = first or time.monotonic()
+        t1 = time.monotonic()
+        state = pulled.handoff.state
+        joined = np.concatenate([state[c.name].reshape(-1).view(np.uint8) for c in contract.carried])
+        print(json.dumps({"t1": t1, "t_first": first, "crc": crc(joined)}))
+
+
+def role_handoff_pairs(target: str, model: str, pairs: int, side: str, prefix: str) -> None:
+    """`pairs` threads, each pushing (or pulling) one hand-off; per-thread start and end times."""
+    from handoff_client import HandoffClient
+
+    with HandoffClient(target) as client:
+        contract = client.get_contract(model)
+        tensors = _tensors(contract)
+        if side == "pull":
+            print("ready", flush=True)
+
+        def one(i: int) -> tuple[float, float]:
+            start = time.monotonic()
+            if side == "push":
+                client.push(model, f"{prefix}-{i}", 1, tensors)
+            else:
+                client.pull(model, f"{prefix}-{i}", timeout=120)
+            return start, time.monotonic()
+
+        with futures.ThreadPoolExecutor(pairs) as pool:
+            times = list(pool.map(one, range(pairs)))
+    print(json.dumps({"times": times}))
+
+
+def role_latency(kind: str, endpoint: str, nbytes: int, iterations: int) -> None:
+    """Push then pull of a small payload, `iterations` times, in one process: per-iteration seconds."""
+    data = payload(nbytes)
+    out = np.empty(nbytes, np.uint8)
+    seconds = []
+    if kind == "handoff":
+        from handoff_client import HandoffClient
+
+        client = HandoffClient(endpoint)
+        model = "bench-64kib"
+        tensors = _tensors(client.get_contract(model))
+        for i in range(iterations):
+            t = time.perf_counter()
+            client.push(model, f"lat-{i}", 1, tensors)
+            client.pull(model, f"lat-{i}")
+            seconds.append(time.perf_counter() - t)
+    elif kind == "tcp":
+        port = int(endpoint)
+        for _ in range(iterations):
+            t = time.perf_counter()
+            p = socket.create_connection(("127.0.0.1", port))
+            p.sendall(b"P")
+            c = socket.create_connection(("127.0.0.1", port))
+            c.sendall(b"C")
+            p.sendall(memoryview(data))
+            p.close()
+            got, view = 0, memoryview(out)
+            while got < nbytes:
+                got += c.recv_into(view[got:])
+            c.close()
+            seconds.append(time.perf_counter() - t)
+    elif kind == "redis":
+        r = _Redis(int(endpoint))
+        raw = data.tobytes()
+        for i in range(iterations):
+            t = time.perf_counter()
+            r.command(b"RPUSH", f"lat-{i}".encode(), raw)
+            r.command(b"BLPOP", f"lat-{i}".encode(), b"5")
+            seconds.append(time.perf_counter() - t)
+    elif kind == "naive-grpc":
+        _, push, pull, pb = _naive_channel(int(endpoint))
+        raw = data.tobytes()
+        for i in range(iterations):
+            t = time.perf_counter()
+            _naive_push(push, pb, f"lat-{i}", raw)
+            _naive_pull(pull, pb, f"lat-{i}", out)
+            seconds.append(time.perf_counter() - t)
+    print(json.dumps({"seconds": seconds}))
+
+
+ROLES = {name[len("role_"):].replace("_", "-"): fn for name, fn in globals().items() if name.startswith("role_")}
+
+
+# -- the orchestra --------------------------------------------------------------------------------------------------
+
+
+def _spawn(*args: object) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE), *map(str, args)], stdout=subprocess.PIPE, text=True)
+
+
+def _result(process: subprocess.Popen, timeout: float = 600) -> dict:
+    out, _ = process.communicate(timeout=timeout)
+    if process.returncode != 0:
+        raise RuntimeError(f"{process.args[2:]} failed ({process.returncode})")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _wait_ready(process: subprocess.Popen) -> None:
+    line = process.stdout.readline()
+    if line.strip() != "ready":
+        raise RuntimeError(f"{process.args[2:]} did not get ready: {line!r}")
+
+
+def _port_from(path: Path, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while not path.exists() or not path.read_text():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no port in {path}")
+        time.sleep(0.01)
+    return int(path.read_text())
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss(pid: int) -> tuple[int, int]:
+    text = Path(f"/proc/{pid}/status").read_text()
+    grab = lambda key: int(re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE).group(1)) * 1024  # noqa: E731
+    return grab("VmRSS"), grab("VmHWM")
+
+
+def _reset_peak(pid: int) -> None:
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _relay_run(producer: subprocess.Popen, consumer: subprocess.Popen, nbytes: int) -> dict:
+    c, p = _result(consumer), _result(producer)
+    if c["crc"] != crc(payload(nbytes)):
+        raise RuntimeError("the consumer's bytes differ from the producer's")
+    return {"seconds": c["t1"] - p["t0"], **{k: v for k, v in {**p, **c}.items() if k.startswith("t")}}
+
+
+class Bench:
+    def __init__(self, workdir: Path, runs: int) -> None:
+        self.workdir = workdir
+        self.runs = runs
+        self.results: dict = {"machine": _machine(), "throughput": {}, "latency": {}, "concurrency": {}, "notes": []}
+        self.redis_port: int | None = None
+        self._processes: list[subprocess.Popen] = []
+
+    def start_services(self, models: dict[str, dict]) -> None:
+        contracts = self.workdir / "contracts"
+        contracts.mkdir()
+        for name, manifest_json in models.items():
+            (contracts / f"{name}.json").write_text(json.dumps(manifest_json))
+        broker = subprocess.Popen(
+            [sys.executable, "-m", "handoff_broker.cli", "--log-level", "WARNING", "serve", "--port", "0",
+             "--contracts", str(contracts)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self._processes.append(broker)
+        self.broker = broker
+        self.target = re.match(r"handoff-broker listening on (\S+);", broker.stdout.readline()).group(1)
+        self.broker_base_rss = _rss(broker.pid)[0]
+        naive_port = self.workdir / "naive.port"
+        self._processes.append(_spawn("naive-grpc-relay", naive_port))
+        self.naive_port = _port_from(naive_port)
+        redis = shutil.which("redis-server")
+        if redis:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            self._processes.append(subprocess.Popen(
+                [redis, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--proto-max-bulk-len", "512mb", "--client-output-buffer-limit", "normal 0 0 0"],
+                stdout=subprocess.DEVNULL,
+            ))  # fmt: skip
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    _Redis(port).command(b"PING")
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            self.redis_port = port
+        else:
+            self.results["notes"].append("redis relay skipped: no redis-server on PATH (apt-get install redis-server)")
+
+    def stop(self) -> None:
+        for process in self._processes:
+            process.terminate()
+        for process in self._processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+    def throughput(self, label: str, model: str, nbytes: int) -> None:
+        rows: dict[str, list] = {"memcpy x2": [], "tcp relay": [], "naive grpc": [], "handoff": []}
+        if self.redis_port:
+            rows["redis relay"] = []
+        extra: dict[str, list] = {"cpu_s_per_gib": [], "first_layer_fraction": []}
+        port_file = self.workdir / f"tcp-{label}.port"
+        relay = _spawn("tcp-relay", port_file, self.runs)
+        tcp_port = _port_from(port_file)
+        for run in range(self.runs):
+            r = _result(_spawn("memcpy", nbytes))
+            rows["memcpy x2"].append(r["t1"] - r["t0"])
+            consumer = _spawn("tcp-consumer", tcp_port, nbytes)
+            _wait_ready(consumer)
+            rows["tcp relay"].append(_relay_run(_spawn("tcp-producer", tcp_port, nbytes), consumer, nbytes)["seconds"])
+            key = f"{label}-{run}"
+            consumer = _spawn("naive-grpc-consumer", self.naive_port, nbytes, key)
+            _wait_ready(consumer)
+            rows["naive grpc"].append(
+                _relay_run(_spawn("naive-grpc-producer", self.naive_port, nbytes, key), consumer, nbytes)["seconds"]
+            )
+            if self.redis_port:
+                consumer = _spawn("redis-consumer", self.redis_port, nbytes, key)
+                _wait_ready(consumer)
+                rows["redis relay"].append(
+                    _relay_run(_spawn("redis-producer", self.redis_port, nbytes, key), consumer, nbytes)["seconds"]
+                )
+            consumer = _spawn("handoff-consumer", self.target, model, key)
+            _wait_ready(consumer)
+            time.sleep(0.1)  # the pull is waiting at the broker before the push starts
+            cpu = _cpu_seconds(self.broker.pid)
+            r = _relay_run(_spawn("handoff-producer", self.target, model, key), consumer, nbytes)
+            rows["handoff"].append(r["seconds"])
+            extra["cpu_s_per_gib"].append((_cpu_seconds(self.broker.pid) - cpu) / (nbytes / (1 << 30)))
+            extra["first_layer_fraction"].append((r["t_first"] - r["t0"]) / (r["t_end"] - r["t0"]))
+        relay.wait(timeout=30)
+        tcp = statistics.median(rows["tcp relay"])
+        self.results["throughput"][label] = {
+            "bytes": nbytes,
+            "paths": {
+                name: {"mib_s": nbytes / MiB / statistics.median(times), "vs_tcp": tcp / statistics.median(times)}
+                for name, times in rows.items()
+            },
+            "broker_cpu_s_per_gib": statistics.median(extra["cpu_s_per_gib"]),
+            "pipelined_first_layer_at": statistics.median(extra["first_layer_fraction"]),
+        }
+
+    def peak_memory(self, model: str, nbytes: int) -> None:
+        """Push whole first, then pull: the broker holds all of it; its peak RSS against the bytes held."""
+        _reset_peak(self.broker.pid)
+        base = _rss(self.broker.pid)[0]
+        _result(_spawn("handoff-producer", self.target, model, "held"))
+        held_rss = _rss(self.broker.pid)[0]
+        consumer = _spawn("handoff-consumer", self.target, model, "held")
+        _wait_ready(consumer)
+        _result(consumer)
+        peak = _rss(self.broker.pid)[1]
+        self.results["memory"] = {
+            "bytes_held": nbytes,
+            "rss_before_mib": base / MiB,
+            "rss_holding_mib": held_rss / MiB,
+            "peak_rss_mib": peak / MiB,
+            "peak_over_base_vs_held": (peak - base) / nbytes,
+        }
+
+    def latency(self, nbytes: int, iterations: int) -> None:
+        port_file = self.workdir / "tcp-latency.port"
+        relay = _spawn("tcp-relay", port_file, iterations)
+        kinds = {"tcp relay": ("tcp", _port_from(port_file)), "naive grpc": ("naive-grpc", self.naive_port),
+                 "handoff": ("handoff", self.target)}  # fmt: skip
+        if self.redis_port:
+            kinds["redis relay"] = ("redis", self.redis_port)
+        for label, (kind, endpoint) in kinds.items():
+            seconds = sorted(_result(_spawn("latency", kind, endpoint, nbytes, iterations))["seconds"])
+            self.results["latency"][label] = {
+                "p50_ms": 1000 * seconds[len(seconds) // 2],
+                "p99_ms": 1000 * seconds[min(len(seconds) - 1, int(len(seconds) * 0.99))],
+            }
+        relay.wait(timeout=30)
+
+    def concurrency(self, model: str, nbytes: int, levels: list[int]) -> None:
+        for pairs in levels:
+            prefix = f"conc-{pairs}"
+            pullers = _spawn("handoff-pairs", self.target, model, pairs, "pull", prefix)
+            _wait_ready(pullers)
+            pushers = _spawn("handoff-pairs", self.target, model, pairs, "push", prefix)
+            pulled, pushed = _result(pullers)["times"], _result(pushers)["times"]
+            start = min(t for t, _ in pushed)
+            end = max(t for _, t in pulled)
+            per_pair = [nbytes / MiB / (pulled[i][1] - pushed[i][0]) for i in range(pairs)]
+            self.results["concurrency"][pairs] = {
+                "aggregate_mib_s": pairs * nbytes / MiB / (end - start),
+                "slowest_pair_mib_s": min(per_pair),
+                "fastest_pair_mib_s": max(per_pair),
+            }
+
+
+def _machine() -> dict:
+    cpu = "unknown"
+    try:
+        cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE).group(1)
+    except (OSError, AttributeError):
+        pass
+    return {"cpus": os.cpu_count(), "cpu": cpu, "python": sys.version.split()[0]}
+
+
+def report(results: dict) -> str:
+    lines = [f"machine: {results['machine']['cpus']} cpus, {results['machine']['cpu']}, Python {results['machine']['python']}"]
+    for label, row in results["throughput"].items():
+        lines.append(f"\n{label} ({row['bytes'] / MiB:.0f} MiB)           MiB/s    x tcp relay")
+        for name, figures in row["paths"].items():
+            lines.append(f"  {name:<14} {figures['mib_s']:>10.0f}    {figures['vs_tcp']:>6.2f}")
+        lines.append(f"  broker CPU: {row['broker_cpu_s_per_gib']:.2f} s per GiB moved; pipelined pull had its first "
+                     f"tensor at {100 * row['pipelined_first_layer_at']:.1f}% of the push's duration")
+    if results["latency"]:
+        lines.append("\nsmall hand-off, push then pull (64 KiB)   p50 ms    p99 ms")
+        for name, figures in results["latency"].items():
+            lines.append(f"  {name:<14} {figures['p50_ms']:>24.2f} {figures['p99_ms']:>9.2f}")
+    if results["concurrency"]:
+        lines.append("\nconcurrent pusher/puller pairs (handoff)   aggregate MiB/s   slowest pair   fastest pair")
+        for pairs, figures in results["concurrency"].items():
+            lines.append(f"  {pairs:>3} pairs {figures['aggregate_mib_s']:>33.0f} {figures['slowest_pair_mib_s']:>14.0f}"
+                         f" {figures['fastest_pair_mib_s']:>14.0f}")
+    if "memory" in results:
+        m = results["memory"]
+        lines.append(f"\nbroker memory holding {m['bytes_held'] / MiB:.0f} MiB: RSS {m['rss_before_mib']:.0f} MiB before, "
+                     f"{m['rss_holding_mib']:.0f} MiB holding, peak {m['peak_rss_mib']:.0f} MiB "
+                     f"(peak - before = {m['peak_over_base_vs_held']:.2f} x the bytes held)")
+    lines += [f"note: {n}" for n in results["notes"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ROLES:
+        fn = ROLES[argv[0]]
+        annotations = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
+        kinds = {k: int for k in ("port", "nbytes", "runs", "iterations", "pairs")}
+        fn(*[kinds.get(name, str)(value) for name, value in zip(annotations, argv[1:])])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes and few runs (CI's smoke run)")
+    parser.add_argument("--runs", type=int, help="runs per path and size (median reported); default 3, quick 2")
+    parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")
+    args = parser.parse_args(argv)
+    runs = args.runs or (2 if args.quick else 3)
+    sizes = {"1 MiB": MiB, "16 MiB": 16 * MiB} if args.quick else {"1 MiB": MiB, "16 MiB": 16 * MiB, "256 MiB": 256 * MiB}
+    models = {f"bench-{label.replace(' ', '').lower()}": manifest(f"bench-{label.replace(' ', '').lower()}", n)
+              for label, n in sizes.items()}  # fmt: skip
+    models["bench-64kib"] = manifest("bench-64kib", 64 << 10)
+    if not args.quick:
+        models[LLAMA3_8B_4K["model"]] = LLAMA3_8B_4K
+    with tempfile.TemporaryDirectory() as tmp:
+        bench = Bench(Path(tmp), runs)
+        try:
+            bench.start_services(models)
+            for label, nbytes in sizes.items():
+                bench.throughput(label, f"bench-{label.replace(' ', '').lower()}", nbytes)
+            if not args.quick:
+                bench.throughput("Llama-3-8B, 4k ctx, bf16", LLAMA3_8B_4K["model"], 512 * MiB)
+            bench.latency(64 << 10, 50 if args.quick else 300)
+            bench.concurrency("bench-16mib" if not args.quick else "bench-1mib", 16 * MiB if not args.quick else MiB,
+                              [1, 4] if args.quick else [1, 4, 16])
+            big = max(sizes.values())
+            bench.peak_memory(f"bench-{[k for k, v in sizes.items() if v == big][0].replace(' ', '').lower()}", big)
+        finally:
+            bench.stop()
+    print(report(bench.results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(bench.results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
