@@ -281,10 +281,16 @@ def _tensors(contract, seed: int = 1) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _chunk_bytes() -> int:
+    from handoff_client import DEFAULT_CHUNK_BYTES
+
+    return int(os.environ.get("BENCH_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
+
+
 def role_handoff_producer(target: str, model: str, key: str) -> None:
     from handoff_client import HandoffClient
 
-    with HandoffClient(target) as client:
+    with HandoffClient(target, chunk_bytes=_chunk_bytes()) as client:
         tensors = _tensors(client.get_contract(model))
         t0 = time.monotonic()
         client.push(model, key, 1, tensors)
@@ -311,7 +317,7 @@ def role_handoff_pairs(target: str, model: str, pairs: int, side: str, prefix: s
     """`pairs` threads, each pushing (or pulling) one hand-off; per-thread start and end times."""
     from handoff_client import HandoffClient
 
-    with HandoffClient(target) as client:
+    with HandoffClient(target, chunk_bytes=_chunk_bytes()) as client:
         contract = client.get_contract(model)
         tensors = _tensors(contract)
         if side == "pull":
@@ -637,7 +643,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes and few runs (CI's smoke run)")
     parser.add_argument("--runs", type=int, help="runs per path and size (median reported); default 3, quick 2")
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")
+    parser.add_argument("--chunk-bytes", type=int, help="the handoff client's chunk size (default: the client's own)")
     args = parser.parse_args(argv)
+    if args.chunk_bytes:
+        os.environ["BENCH_CHUNK_BYTES"] = str(args.chunk_bytes)
     runs = args.runs or (2 if args.quick else 3)
     sizes = {"1 MiB": MiB, "16 MiB": 16 * MiB} if args.quick else {"1 MiB": MiB, "16 MiB": 16 * MiB, "256 MiB": 256 * MiB}
     models = {f"bench-{label.replace(' ', '').lower()}": manifest(f"bench-{label.replace(' ', '').lower()}", n)

@@ -10,6 +10,7 @@ the threshold makes every frame an mmap that goes back to the system when freed;
 from __future__ import annotations
 
 import ctypes
+import os
 import ctypes.util
 import logging
 
@@ -34,7 +35,9 @@ def tune_allocator() -> bool:
     """Fix the mmap threshold and cap the arenas; True where it took effect."""
     if _libc is None:
         return False
-    ok = _libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    ok = True
+    if os.environ.get("HANDOFF_MMAP_THRESHOLD"):
+        ok = _libc.mallopt(_M_MMAP_THRESHOLD, int(os.environ["HANDOFF_MMAP_THRESHOLD"])) == 1
     ok = _libc.mallopt(_M_ARENA_MAX, ARENA_MAX) == 1 and ok
     logger.debug("allocator tuned: mmap threshold %d, %d arenas (%s)", MMAP_THRESHOLD_BYTES, ARENA_MAX, ok)
     return ok
