@@ -458,7 +458,7 @@ class Bench:
             (contracts / f"{name}.json").write_text(json.dumps(manifest_json))
         broker = subprocess.Popen(
             [sys.executable, "-m", "handoff_broker.cli", "--log-level", "WARNING", "serve", "--port", "0",
-             "--contracts", str(contracts)],
+             "--metrics-port", "-1", "--contracts", str(contracts)],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         self._processes.append(broker)
@@ -548,6 +548,7 @@ class Bench:
 
     def peak_memory(self, model: str, nbytes: int) -> None:
         """Push whole first, then pull: the broker holds all of it; its peak RSS against the bytes held."""
+        time.sleep(1.0)  # the broker hands freed memory back on the sweep after its store empties
         _reset_peak(self.broker.pid)
         base = _rss(self.broker.pid)[0]
         _result(_spawn("handoff-producer", self.target, model, "held"))

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_against_own_broker(seconds: float, pairs: int, max_bytes: str, models: list[str], contracts: str) -> dict:
     """Start a broker process, load it, audit the books, and read its memory and holdings at the end."""
-    command = [sys.executable, "-m", "handoff_broker.cli", "--log-level", "WARNING", "serve", "--port", "0"]
+    command = [sys.executable, "-m", "handoff_broker.cli", "--log-level", "WARNING", "serve", "--port", "0", "--metrics-port", "0"]
     command += ["--contracts", contracts, "--max-bytes", max_bytes, "--lease", "2", "--idle-timeout", "2", "--ttl", "30"]
     broker = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
 
 from handoff_client._client import MAX_MESSAGE_BYTES
 from handoff_client._contract import Contract
@@ -22,6 +23,7 @@ from handoff_client._wire import SERVICE_NAME
 
 from . import memory
 from .contracts import default_contracts
+from .metrics import Metrics
 from .service import HandoffBrokerServicer, rpc_handler
 from .store import Store, StoreConfig, StoreStats
 
@@ -52,6 +54,8 @@ class BrokerConfig:
     ttl: float = 300.0
     lease: float = 30.0
     idle_timeout: float = 30.0
+    # Port of the Prometheus /metrics endpoint (0: any free port); None: no endpoint.
+    metrics_port: int | None = None
     workers: int = DEFAULT_WORKERS
     # HTTP/2 keepalive: a decoder whose connection dies without a FIN is noticed and its claim returned.
     keepalive_seconds: float = 20.0
@@ -63,7 +67,16 @@ class Broker:
 
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
-        self.store = Store(config.contracts, StoreConfig(config.max_bytes, ttl=config.ttl, lease=config.lease, idle_timeout=config.idle_timeout))
+        self.registry = CollectorRegistry()
+        self.metrics = Metrics(self.registry)
+        self.store = Store(
+            config.contracts,
+            StoreConfig(config.max_bytes, ttl=config.ttl, lease=config.lease, idle_timeout=config.idle_timeout),
+            events=self.metrics,
+        )
+        self.metrics.watch(self.store.stats)
+        self.metrics_port: int | None = None
+        self._metrics_server = None
         self.health = health.HealthServicer()
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -77,7 +90,7 @@ class Broker:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="handoff-rpc"), options=options
         )
-        self.server.add_generic_rpc_handlers((rpc_handler(HandoffBrokerServicer(self.store)),))
+        self.server.add_generic_rpc_handlers((rpc_handler(HandoffBrokerServicer(self.store, self.metrics)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -92,6 +105,12 @@ class Broker:
         return f"{_bracketed(self.config.host)}:{self.port}"
 
     def start(self) -> Broker:
+        if self.config.metrics_port is not None:
+            self._metrics_server, _ = start_http_server(
+                self.config.metrics_port, addr=self.config.host, registry=self.registry
+            )
+            self.metrics_port = self._metrics_server.server_port
+            logger.info("metrics on http://%s:%d/metrics", _bracketed(self.config.host), self.metrics_port)
         memory.tune_allocator()
         self.store.on_empty = memory.trim
         self.store.start()
@@ -119,6 +138,9 @@ class Broker:
         self.store.settled(grace)
         self.server.stop(0.2).wait()
         self.store.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         stats = self.store.stats()
         logger.info(
             "stopped; %d hand-off(s) (%d bytes) were still held",

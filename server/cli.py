@@ -41,6 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
         ttl=args.ttl,
         lease=args.lease,
         idle_timeout=args.idle_timeout,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         workers=args.workers,
     )
     try:
@@ -52,7 +53,8 @@ def _serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     broker.start()
-    print(f"handoff-broker listening on {broker.address}; max {config.max_bytes} bytes of hand-offs", flush=True)
+    metrics = f"; metrics on :{broker.metrics_port}/metrics" if broker.metrics_port is not None else ""
+    print(f"handoff-broker listening on {broker.address}; max {config.max_bytes} bytes of hand-offs{metrics}", flush=True)
     stop.wait()
     logger.info("signal received: draining for up to %ss", args.grace)
     broker.stop(args.grace)
@@ -110,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ttl", type=float, default=300.0, help="seconds an unclaimed hand-off lives (default: 300)")
     serve.add_argument("--lease", type=float, default=30.0, help="seconds a streamed claim waits for its confirm (30)")
     serve.add_argument("--idle-timeout", type=float, default=30.0, help="seconds a push may send nothing (30)")
+    serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port; -1: none (9464)")
     serve.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish on SIGTERM (10)")
     serve.add_argument("--workers", type=int, default=256, help="threads serving calls (256)")
     serve.set_defaults(run=_serve)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -19,6 +20,7 @@ from handoff_client._frames import ChunkFrame
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import SERVICE, Malformed, contract_to_proto, decode_push_request, identity
 
+from .metrics import Metrics
 from .store import Claim, Store
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ def _mapped(method: Callable) -> Callable:
         try:
             return method(self, request, context)
         except HandoffError as e:
-            _log_refusal(method.__name__, e)
+            self._refused(method.__name__, e)
             _abort(context, e)
         except grpc.RpcError:  # the client went away mid-stream; nobody is left to tell
             logger.info("%s: the client's stream broke", method.__name__)
@@ -64,17 +66,13 @@ def _mapped_stream(method: Callable) -> Callable:
         try:
             yield from method(self, request, context)
         except HandoffError as e:
-            _log_refusal(method.__name__, e)
+            self._refused(method.__name__, e)
             _abort(context, e)
         except Exception:
             logger.exception("%s failed", method.__name__)
             _abort(context, InternalError())
 
     return handler
-
-
-def _log_refusal(rpc: str, error: HandoffError) -> None:
-    logger.info("%s refused: %s %s", rpc, error.reason, error.message)
 
 
 def _wait_budget(context: grpc.ServicerContext) -> float:
@@ -87,8 +85,17 @@ def _wait_budget(context: grpc.ServicerContext) -> float:
 class HandoffBrokerServicer:
     """The RPCs of handoff.v1.HandoffBroker."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, metrics: Metrics) -> None:
         self.store = store
+        self.metrics = metrics
+
+    def _model_label(self, model: str | None) -> str:
+        """A model label from the fixed set served; anything a caller made up is "unknown" (bounded cardinality)."""
+        return model if model in self.store.contracts else "unknown"
+
+    def _refused(self, rpc: str, error: HandoffError) -> None:
+        logger.info("%s refused: %s %s", rpc, error.reason, error.message)
+        self.metrics.rejections.labels(self._model_label(error.model), error.reason).inc()
 
     @_mapped
     def ListContracts(self, request: pb.ListContractsRequest, context: grpc.ServicerContext) -> pb.ListContractsResponse:
@@ -105,42 +112,53 @@ class HandoffBrokerServicer:
         if not isinstance(header, pb.PushHeader):
             why = header.why if isinstance(header, Malformed) else "a push must start with its header"
             raise MalformedRequest(why)
-        session = self.store.begin_push(
-            header.model,
-            header.handoff_id,
-            header.position,
-            header.fingerprint,
-            wait=_wait_budget(context),
-            ttl=header.ttl_seconds,
-            no_wait=header.no_wait,
-            interrupt=context.cancel,
-        )
+        started = time.monotonic()
+        model = self._model_label(header.model)
+        outcome = "refused"
+        self.metrics.streams.labels("push").inc()
         try:
-            for message in requests:
-                if isinstance(message, ChunkFrame):
-                    session.add(message)
-                elif isinstance(message, Malformed):
-                    raise MalformedRequest(message.why, header.model)
-                else:
-                    raise MalformedRequest("a push has one header; a second one came", header.model)
-            outcome = session.finish()
-        except BaseException:
-            session.abort()
+            session = self.store.begin_push(
+                header.model,
+                header.handoff_id,
+                header.position,
+                header.fingerprint,
+                wait=_wait_budget(context),
+                ttl=header.ttl_seconds,
+                no_wait=header.no_wait,
+                interrupt=context.cancel,
+            )
+            try:
+                for message in requests:
+                    if isinstance(message, ChunkFrame):
+                        session.add(message)
+                    elif isinstance(message, Malformed):
+                        raise MalformedRequest(message.why, header.model)
+                    else:
+                        raise MalformedRequest("a push has one header; a second one came", header.model)
+                result = session.finish()
+            except BaseException:
+                session.abort()
+                raise
+            outcome = "duplicate" if result.duplicate else "committed"
+        except grpc.RpcError:
+            outcome = "broken"
             raise
+        finally:
+            self.metrics.streams.labels("push").dec()
+            self.metrics.pushes.labels(model, outcome).inc()
+        elapsed = time.monotonic() - started
+        self.metrics.bytes_in.labels(model).inc(result.bytes)
+        self.metrics.push_seconds.labels(model).observe(elapsed)
         logger.info(
-            "pushed %s/%s: %d bytes in %d chunks%s",
-            header.model,
-            header.handoff_id,
-            outcome.bytes,
-            outcome.chunks,
-            " (a byte-identical repeat)" if outcome.duplicate else "",
-        )
+            "push %s/%s %s: %d bytes in %d chunks, %.1f ms",
+            header.model, header.handoff_id, outcome, result.bytes, result.chunks, elapsed * 1000,
+        )  # fmt: skip
         return pb.PushResponse(
             handoff_id=header.handoff_id,
-            bytes=outcome.bytes,
-            chunks=outcome.chunks,
-            digest=outcome.digest,
-            duplicate=outcome.duplicate,
+            bytes=result.bytes,
+            chunks=result.chunks,
+            digest=result.digest,
+            duplicate=result.duplicate,
         )
 
     @_mapped_stream
@@ -153,10 +171,20 @@ class HandoffBrokerServicer:
             interrupt=context.cancel,
             supersedes=request.supersedes,
         )
+        started = time.monotonic()
+        model = self._model_label(claim.model)
         progress = _Progress()
-        # Runs however the call ends: a stream that broke before its end returns the claim to the pool at once.
-        context.add_callback(lambda: self.store.release(claim, progress.sent_all))
+        self.metrics.streams.labels("pull").inc()
+
+        def ended() -> None:  # however the call ends: a stream broken before its end returns the claim at once
+            self.store.release(claim, progress.sent_all)
+            self.metrics.streams.labels("pull").dec()
+            self.metrics.pulls.labels(model, "delivered" if progress.sent_all else progress.outcome).inc()
+
+        context.add_callback(ended)
+        progress.outcome = "refused"  # until the stream is under way, an error here is the broker's refusal
         yield _pull_header(claim)
+        progress.outcome = "broken"
         fed = 0
         while True:
             chunks, digest = self.store.feed(claim, fed, _wait_budget(context))
@@ -167,7 +195,13 @@ class HandoffBrokerServicer:
                 break
         yield pb.PullResponse(end=pb.PullEnd(digest=digest)).SerializeToString()
         progress.sent_all = True
-        logger.info("streamed %s/%s to claim %d", claim.model, claim.handoff_id, claim.generation)
+        elapsed = time.monotonic() - started
+        self.metrics.bytes_out.labels(model).inc(claim.nbytes)
+        self.metrics.pull_seconds.labels(model).observe(elapsed)
+        logger.info(
+            "pull %s/%s streamed to claim %d: %d bytes, %.1f ms",
+            claim.model, claim.handoff_id, claim.generation, claim.nbytes, elapsed * 1000,
+        )  # fmt: skip
 
     @_mapped
     def ConfirmHandoff(self, request: pb.ConfirmRequest, context: grpc.ServicerContext) -> pb.ConfirmResponse:
@@ -199,10 +233,11 @@ class HandoffBrokerServicer:
 
 
 class _Progress:
-    __slots__ = ("sent_all",)
+    __slots__ = ("sent_all", "outcome")
 
     def __init__(self) -> None:
         self.sent_all = False
+        self.outcome = "broken"
 
 
 def _pull_header(claim: Claim) -> bytes:

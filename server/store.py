@@ -34,6 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from handoff_client._contract import Contract, TensorSpans
 from handoff_client._errors import (
@@ -65,6 +66,21 @@ MAX_HANDOFF_ID = 256
 MAX_TOMBSTONES = 100_000
 FEED_BATCH = 256
 WAIT_SLICE = 0.1  # seconds between re-checks of a waiting caller's liveness
+
+
+class StoreEvents(Protocol):
+    """What the store reports as it happens (the broker's metrics implement it)."""
+
+    def expired(self, model: str) -> None: ...
+    def lease_returned(self, model: str) -> None: ...
+    def cancelled(self, model: str) -> None: ...
+    def claimed(self, model: str, waited: float | None) -> None: ...
+    def confirmed(self, model: str, since_push: float) -> None: ...
+
+
+class _Unobserved:
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args: None
 
 
 @dataclass(frozen=True)
@@ -117,6 +133,7 @@ class _Entry:
     pull_interrupt: Interrupt | None = None
     ended: str | None = None  # why it left the store: aborted, replaced, expired, cancelled, confirmed
     created: float = 0.0
+    committed_at: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -168,9 +185,16 @@ class StoreStats:
 class Store:
     """Every hand-off the broker holds, by (model, handoff_id)."""
 
-    def __init__(self, contracts: Mapping[str, Contract], config: StoreConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        contracts: Mapping[str, Contract],
+        config: StoreConfig,
+        clock: Callable[[], float] = time.monotonic,
+        events: StoreEvents | None = None,
+    ) -> None:
         self.contracts = dict(contracts)
         self.config = config
+        self.events: StoreEvents = events or _Unobserved()
         self._clock = clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # an entry appeared, was released or freed; bytes freed
@@ -320,6 +344,7 @@ class Store:
             entry.starts = [[c.offset for c in run] for run in entry.by_tensor]
             entry.digest = digest
             entry.committed = True
+            entry.committed_at = self._clock()
             entry.push = None
             entry.push_interrupt = None
             entry.expires_at = self._clock() + entry.ttl
@@ -372,6 +397,8 @@ class Store:
                     logger.info("claim %d on %s/%s superseded by its own retry", supersedes, model, handoff_id)
                     stale = self._unclaim(entry)
                 if entry is not None and not entry.claimed:
+                    first_wait = self._clock() - entry.committed_at if entry.committed and not entry.generation else None
+                    self.events.claimed(model, first_wait)
                     entry.generation += 1
                     entry.claimed = entry.streaming = True
                     entry.live = not entry.committed
@@ -449,6 +476,7 @@ class Store:
                 if entry.generation != generation:
                     raise StaleClaim(model, handoff_id, generation, f"is superseded by claim {entry.generation}")
                 self._free(entry, "confirmed")
+                self.events.confirmed(model, self._clock() - entry.created)
                 return
             tomb = self._tombstones.get(key)
             if tomb is None:
@@ -470,6 +498,7 @@ class Store:
                     self._bury(key, "cancelled", 0, "")  # a push that comes later is refused too
                 return False
             interrupts = self._free(entry, "cancelled")
+            self.events.cancelled(model)
         _run(interrupts)
         return True
 
@@ -494,6 +523,7 @@ class Store:
                 elif entry.committed and not entry.claimed and now >= entry.expires_at:
                     logger.info("hand-off %s/%s expired unclaimed (%d bytes freed)", model, handoff_id, entry.nbytes)
                     interrupts += self._free(entry, "expired")
+                    self.events.expired(model)
             while self._tombstones:
                 key, tomb = next(iter(self._tombstones.items()))
                 if tomb.until > now and len(self._tombstones) <= MAX_TOMBSTONES:
@@ -518,6 +548,7 @@ class Store:
     def _unclaim(self, entry: _Entry) -> list[Interrupt]:
         """The claim ends without a confirm: the hand-off is free for the next puller."""
         interrupts = [entry.pull_interrupt] if entry.streaming and entry.pull_interrupt else []
+        self.events.lease_returned(entry.key[0])
         entry.claimed = entry.streaming = entry.live = False
         entry.pull_interrupt = None
         if entry.committed:

@@ -30,7 +30,7 @@ def test_demo_moves_a_hand_off_between_two_processes_bit_for_bit():
 
 
 def start_serving(*args: str) -> tuple[subprocess.Popen, str]:
-    broker = subprocess.Popen([*COMMAND, "serve", "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    broker = subprocess.Popen([*COMMAND, "serve", "--port", "0", "--metrics-port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = broker.stdout.readline()
     match = re.match(r"handoff-broker listening on (\S+);", line)
     assert match, f"no listening line: {line!r} {broker.stderr.read() if broker.poll() is not None else ''}"
@@ -75,7 +75,7 @@ def test_a_bad_manifest_stops_the_start_naming_the_file_and_field(tmp_path: Path
     manifest = json.loads((MANIFESTS / "every-dtype.json").read_text())
     manifest["carried"][2]["rows"] = 0
     (tmp_path / "broken.json").write_text(json.dumps(manifest))
-    result = run("serve", "--port", "0", "--contracts", str(tmp_path), timeout=30)
+    result = run("serve", "--port", "0", "--metrics-port", "0", "--contracts", str(tmp_path), timeout=30)
     assert result.returncode == 2
     assert f"{tmp_path / 'broken.json'}: carried[2].rows: must be an integer >= 1, got 0" in result.stderr
 

@@ -1,0 +1,84 @@
+"""Ops dashboards scrape /metrics: after real traffic through a live broker, the figures moved as they should,
+and no label carries an id."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import seeded_tensors
+from handoff_client import HandoffClient, HandoffError
+from support import chunk_frames, header_frame, raises_handoff_error, raw_push
+from test_claims import wait_until
+
+
+def scrape(broker) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{broker.metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_traffic_moves_the_figures_a_dashboard_reads(start_broker, contracts):
+    broker = start_broker(metrics_port=0, ttl=0.3)
+    demo = contracts["demo-hybrid"]
+    with HandoffClient(broker.address) as client:
+        tensors = seeded_tensors(demo)
+        client.push("demo-hybrid", "a", 1, tensors)
+        held = scrape(broker)
+        assert value(held, "handoff_handoffs", state="ready") == 1
+        assert value(held, "handoff_resident_bytes") == demo.nbytes
+        assert value(held, "handoff_capacity_bytes") == broker.config.max_bytes
+        client.pull("demo-hybrid", "a")
+        client.push("demo-hybrid", "a", 1, tensors)  # a blind retry of a delivered hand-off
+        raises_handoff_error(client.pull, "llama-9", "x", timeout=1)  # unknown model: label "unknown"
+        raises_handoff_error(raw_push, broker.address, [header_frame(demo, "bad", position=demo.ctx)])
+        client.push("demo-hybrid", "expires", 1, tensors)
+        client.push("demo-hybrid", "cancelled", 1, tensors)
+        client.cancel("demo-hybrid", "cancelled")
+        wait_until(lambda: broker.store.stats().ready == 0)
+    after = scrape(broker)
+    assert value(after, "handoff_pushes_total", model="demo-hybrid", outcome="committed") == 3
+    assert value(after, "handoff_pushes_total", model="demo-hybrid", outcome="duplicate") == 1
+    assert value(after, "handoff_pushes_total", model="demo-hybrid", outcome="refused") == 1
+    assert value(after, "handoff_pulls_total", model="demo-hybrid", outcome="delivered") == 1
+    assert value(after, "handoff_rejections_total", model="demo-hybrid", reason="POSITION_OUT_OF_RANGE") == 1
+    assert value(after, "handoff_rejections_total", model="unknown", reason="UNKNOWN_MODEL") == 1
+    assert value(after, "handoff_received_bytes_total", model="demo-hybrid") == 4 * demo.nbytes
+    assert value(after, "handoff_sent_bytes_total", model="demo-hybrid") == demo.nbytes
+    assert value(after, "handoff_confirms_total", model="demo-hybrid") == 1
+    assert value(after, "handoff_expired_total", model="demo-hybrid") == 1
+    assert value(after, "handoff_cancelled_total", model="demo-hybrid") == 1
+    assert value(after, "handoff_push_duration_seconds_count", model="demo-hybrid") == 4
+    assert value(after, "handoff_end_to_end_seconds_count", model="demo-hybrid") == 1
+    assert value(after, "handoff_wait_for_decoder_seconds_count", model="demo-hybrid") == 1
+    assert value(after, "handoff_resident_bytes") == 0
+    assert value(after, "handoff_streams_in_flight", kind="push") == 0
+    for (name, labels), _ in after.items():
+        if name.startswith("handoff_"):
+            assert {k for k, _ in labels} <= {"model", "outcome", "reason", "state", "kind", "le"}, name
+
+
+def test_a_broken_pull_is_counted_as_broken_and_returned(start_broker, contracts):
+    broker = start_broker(metrics_port=0)
+    from support import open_channel, raw_pull
+
+    with HandoffClient(broker.address) as client, open_channel(broker.address) as channel:
+        client.push("wide-attention", "r", 1, seeded_tensors(contracts["wide-attention"]))
+        stream = raw_pull(channel, "wide-attention", "r")
+        next(stream)
+        stream.cancel()
+        wait_until(lambda: broker.store.stats().ready == 1)
+        client.pull("wide-attention", "r")
+    samples = scrape(broker)
+    assert value(samples, "handoff_pulls_total", model="wide-attention", outcome="broken") == 1
+    assert value(samples, "handoff_pulls_total", model="wide-attention", outcome="delivered") == 1
+    assert value(samples, "handoff_lease_returns_total", model="wide-attention") == 1
