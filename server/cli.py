@@ -1,9 +1,11 @@
-"""The `handoff-broker` command: serve, demo, check-contracts."""
+"""The `handoff-broker` command: serve, demo, status, health, check-contracts."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -22,6 +24,12 @@ def _parse_bytes(text: str) -> int:
         if lowered.endswith(suffix):
             return int(float(lowered[: -len(suffix)]) * factor)
     return int(lowered)
+
+
+SERVE_HELP = """Run the broker until SIGTERM or SIGINT, then drain: new pushes and claims get UNAVAILABLE, streams in
+flight get --grace seconds, and the last log line counts what was still held.
+
+Every flag may also be set in the environment: --max-bytes as HANDOFF_MAX_BYTES, and so on."""
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -43,6 +51,8 @@ def _serve(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         workers=args.workers,
+        keepalive_seconds=args.keepalive,
+        keepalive_timeout_seconds=args.keepalive_timeout,
     )
     try:
         broker, port = build_server(config)
@@ -93,18 +103,64 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _status(args: argparse.Namespace) -> int:
+    """What a live broker holds, read over its GetStatus RPC."""
+    from handoff_client import HandoffClient, HandoffError
+    from handoff_client._wire import contract_from_proto
+
+    with HandoffClient(args.target) as client:
+        try:
+            status = client.status(timeout=args.timeout)
+        except HandoffError as e:
+            print(f"{args.target}: {e.message}", file=sys.stderr)
+            return 1
+    held = status.receiving + status.ready + status.claimed
+    print(f"{args.target}: {'DRAINING' if status.draining else 'serving'}")
+    print(f"  hand-offs held: {held} ({status.receiving} receiving, {status.ready} ready, {status.claimed} claimed); "
+          f"oldest {status.oldest_seconds:.1f} s")
+    share = status.resident_bytes / status.max_bytes if status.max_bytes else 0.0
+    print(f"  bytes: {status.resident_bytes} of {status.max_bytes} ({100 * share:.1f}%); "
+          f"{status.tombstones} recently gone remembered")
+    for message in status.contracts:
+        contract = contract_from_proto(message)
+        print(f"  contract {contract.model}: ctx {contract.ctx}, {len(contract.carried)} tensors, "
+              f"{contract.nbytes} bytes a hand-off, fingerprint {contract.fingerprint[:16]}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(args)
 
 
+ENV_PREFIX = "HANDOFF_"
+
+
+class _EnvDefaults(argparse.ArgumentParser):
+    """Every `--some-flag` of `serve` may also come from `HANDOFF_SOME_FLAG`; the command line wins."""
+
+    def add_argument(self, *names: str, **kwargs: object) -> argparse.Action:
+        flag = next((n for n in names if n.startswith("--")), None)
+        if flag is not None and flag != "--help":
+            variable = ENV_PREFIX + flag[2:].replace("-", "_").upper()
+            if variable in os.environ:
+                kind = kwargs.get("type", str)
+                kwargs["default"] = kind(os.environ[variable])  # type: ignore[operator]
+            kwargs["help"] = f"{kwargs.get('help', '')} [env {variable}]"
+        return super().add_argument(*names, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="handoff-broker", description="Hands LLM decode state from prefill to decode.")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--log-level", default=os.environ.get("HANDOFF_LOG_LEVEL", "INFO"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="[env HANDOFF_LOG_LEVEL]")
+    parser.add_argument("--log-format", default=os.environ.get("HANDOFF_LOG_FORMAT", "text"), choices=["text", "json"],
+                        help="one line per event, as text or JSON [env HANDOFF_LOG_FORMAT]")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_EnvDefaults)
 
-    serve = commands.add_parser("serve", help="run the broker")
+    serve = commands.add_parser("serve", help="run the broker", description=SERVE_HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: 50051)")
     serve.add_argument("--contracts", metavar="DIR", help="folder of *.json manifests (default: embedded demo-hybrid)")
@@ -115,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port; -1: none (9464)")
     serve.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish on SIGTERM (10)")
     serve.add_argument("--workers", type=int, default=256, help="threads serving calls (256)")
+    serve.add_argument("--keepalive", type=float, default=20.0, help="seconds between HTTP/2 pings on idle links (20)")
+    serve.add_argument("--keepalive-timeout", type=float, default=10.0, help="seconds a ping may go unanswered (10)")
     serve.set_defaults(run=_serve)
 
     demo = commands.add_parser("demo", help="push and pull one hand-off between two processes through a broker")
@@ -126,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-contracts", help="validate a folder of manifests and print each contract")
     check.add_argument("folder", metavar="DIR")
     check.set_defaults(run=_check_contracts)
+    status = commands.add_parser("status", help="what a live broker holds: hand-offs, bytes, contracts")
+    status.add_argument("--target", default="127.0.0.1:50051")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.set_defaults(run=_status)
+
     health = commands.add_parser("health", help="ask a broker's gRPC health service; exit 0 when SERVING")
     health.add_argument("--target", default="127.0.0.1:50051")
     health.add_argument("--timeout", type=float, default=3.0)
@@ -142,8 +205,28 @@ def main(argv: list[str] | None = None) -> int:
               "pip install 'handoff-broker[server]'", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    if args.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level, handlers=[handler])
     return args.run(args)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers; the message as written, never tensor bytes."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
 
 
 if __name__ == "__main__":

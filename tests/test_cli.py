@@ -61,6 +61,30 @@ def test_serve_serves_and_stops_cleanly_on_sigterm():
         broker.wait()
 
 
+def test_every_serve_flag_may_come_from_the_environment_and_logs_may_be_json(tmp_path: Path):
+    env = {**os.environ, "HANDOFF_CONTRACTS": str(MANIFESTS), "HANDOFF_MAX_BYTES": "1GiB", "HANDOFF_LOG_FORMAT": "json"}
+    broker = subprocess.Popen([*COMMAND, "serve", "--port", "0", "--metrics-port", "-1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        line = broker.stdout.readline()
+        assert "max 1073741824 bytes of hand-offs" in line
+        address = re.match(r"handoff-broker listening on (\S+);", line).group(1)
+        with HandoffClient(address) as client:
+            contract = client.get_contract("every-dtype")
+            client.push("every-dtype", "held", 1, seeded_tensors(contract))
+        status = run("status", "--target", address, timeout=30)
+        assert status.returncode == 0, status.stderr
+        assert "hand-offs held: 1 (0 receiving, 1 ready, 0 claimed)" in status.stdout
+        assert f"bytes: {contract.nbytes} of 1073741824" in status.stdout
+        assert f"contract every-dtype: ctx 64, 9 tensors, {contract.nbytes} bytes a hand-off" in status.stdout
+    finally:
+        broker.send_signal(signal.SIGTERM)
+        broker.wait(timeout=15)
+    records = [json.loads(line) for line in broker.stderr.read().splitlines()]
+    assert {"time", "level", "logger", "message"} <= set(records[0])
+    assert any("push every-dtype/held committed" in r["message"] for r in records)
+
+
 def test_serve_without_contracts_serves_the_embedded_demo_model():
     broker, address = start_serving()
     try:
