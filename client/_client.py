@@ -39,6 +39,7 @@ from ._errors import (
     HandoffError,
     MalformedRequest,
     PushAborted,
+    UnknownHandoff,
     from_rpc_error,
 )
 from ._frames import ChunkFrame, crc32c, encode_chunk, handoff_digest
@@ -166,6 +167,11 @@ class HandoffClient:
             request_serializer=pb.StatusRequest.SerializeToString,
             response_deserializer=pb.StatusResponse.FromString,
         )
+        self._progress = self._channel.unary_unary(
+            method_path("GetPushProgress"),
+            request_serializer=pb.PushProgressRequest.SerializeToString,
+            response_deserializer=pb.PushProgress.FromString,
+        )
         self._cancel = self._channel.unary_unary(
             method_path("CancelHandoff"),
             request_serializer=pb.CancelRequest.SerializeToString,
@@ -215,39 +221,66 @@ class HandoffClient:
         timeout: float | None = None,
         ttl: float | None = None,
         wait_for_room: bool = True,
+        resumable: bool = False,
     ) -> PushResult:
         """Hand the carried tensors after `position` tokens to the broker under `handoff_id`.
 
         Extra entries in `tensors` are ignored; the carried ones must be exactly as declared. `ttl` shortens how
         long the hand-off may wait for its decoder; `wait_for_room=False` fails at once with CapacityExhausted
-        when the broker is full, instead of waiting (up to `timeout`) for room.
+        when the broker is full, instead of waiting (up to `timeout`) for room. `resumable=True` asks the broker
+        to keep what arrived if the stream breaks, and a retry then sends only the rest.
         """
         contract = self.get_contract(model)
         handoff = contract.take(position, tensors)
-        header = pb.PushRequest(
-            header=pb.PushHeader(
+
+        def header(resume: bool) -> bytes:
+            message = pb.PushHeader(
                 model=model,
                 handoff_id=handoff_id,
                 position=position,
                 fingerprint=contract.fingerprint,
                 ttl_seconds=ttl or 0.0,
                 no_wait=not wait_for_room,
+                resumable=resumable,
+                resume=resume,
             )
-        ).SerializeToString()
+            return pb.PushRequest(header=message).SerializeToString()
+
+        attempts = [0]
 
         def attempt(remaining: float) -> pb.PushResponse:
-            return self._call(self._push, self._push_frames(contract, header, handoff), remaining)
+            attempts[0] += 1
+            held = self._held(model, handoff_id, remaining) if resumable and attempts[0] > 1 else None
+            frames = self._push_frames(contract, header(resume=held is not None), handoff, held)
+            return self._call(self._push, frames, remaining)
 
         response = self._with_retries(attempt, retryable_push, timeout)
         return PushResult(response.handoff_id, response.bytes, response.chunks, response.digest, response.duplicate)
 
-    def _push_frames(self, contract: Contract, header: bytes, handoff: Handoff) -> Iterator[bytes]:
+    def push_progress(self, model: str, handoff_id: str, *, timeout: float | None = None) -> pb.PushProgress:
+        """Which bytes of a push under way, or broken and kept, the broker holds."""
+        return self._call(self._progress, pb.PushProgressRequest(model=model, handoff_id=handoff_id), timeout)
+
+    def _held(self, model: str, handoff_id: str, timeout: float) -> dict[str, list[tuple[int, int]]] | None:
+        """What the broker kept of our broken push, or None when there is nothing to resume (push it whole)."""
+        try:
+            progress = self.push_progress(model, handoff_id, timeout=timeout)
+        except UnknownHandoff:
+            return None
+        if progress.complete:
+            return None  # it committed after all: a whole repeat is recognised byte for byte and changes nothing
+        return {t.tensor: [(r.offset, r.length) for r in t.received] for t in progress.tensors}
+
+    def _push_frames(
+        self, contract: Contract, header: bytes, handoff: Handoff, held: dict[str, list[tuple[int, int]]] | None
+    ) -> Iterator[bytes]:
         yield header
         for carried in contract.carried:
             array = np.ascontiguousarray(handoff.state[carried.name])
             payload = memoryview(array.reshape(-1).view(np.uint8))
-            for offset in range(0, carried.nbytes, self.chunk_bytes):
-                yield encode_chunk(carried.name, offset, payload[offset : offset + self.chunk_bytes])
+            for start, end in _missing(carried.nbytes, (held or {}).get(carried.name, [])):
+                for offset in range(start, end, self.chunk_bytes):
+                    yield encode_chunk(carried.name, offset, payload[offset : min(offset + self.chunk_bytes, end)])
 
     # -- decode side --------------------------------------------------------------------------------------------------
 
@@ -306,6 +339,17 @@ class HandoffClient:
                     raise
                 logger.info("retrying in %.3f s after %s: %s", delay, type(e).__name__, e.message)
                 time.sleep(delay)
+
+
+def _missing(size: int, held: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """The [start, end) ranges of [0, size) that the sorted, disjoint `held` (offset, length) ranges leave out."""
+    at = 0
+    for offset, length in held:
+        if offset > at:
+            yield at, offset
+        at = max(at, offset + length)
+    if at < size:
+        yield at, size
 
 
 class _PullAttempts:

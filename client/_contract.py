@@ -205,6 +205,16 @@ class TensorSpans:
     def complete(self) -> bool:
         return self.received == self.carried.nbytes
 
+    def ranges(self) -> list[tuple[int, int]]:
+        """The received bytes as (offset, length), in order, adjacent ranges merged."""
+        merged: list[tuple[int, int]] = []
+        for start, end in zip(self._starts, self._ends):
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], end - merged[-1][0])
+            else:
+                merged.append((start, end - start))
+        return merged
+
     def check_complete(self) -> None:
         """At the end of a stream: the tensor came whole (MissingTensor if not at all, WrongLength if in part)."""
         if self.received == 0:

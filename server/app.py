@@ -54,6 +54,7 @@ class BrokerConfig:
     ttl: float = 300.0
     lease: float = 30.0
     idle_timeout: float = 30.0
+    resume_window: float = 10.0
     # Port of the Prometheus /metrics endpoint (0: any free port); None: no endpoint.
     metrics_port: int | None = None
     workers: int = DEFAULT_WORKERS
@@ -71,7 +72,13 @@ class Broker:
         self.metrics = Metrics(self.registry)
         self.store = Store(
             config.contracts,
-            StoreConfig(config.max_bytes, ttl=config.ttl, lease=config.lease, idle_timeout=config.idle_timeout),
+            StoreConfig(
+                config.max_bytes,
+                ttl=config.ttl,
+                lease=config.lease,
+                idle_timeout=config.idle_timeout,
+                resume_window=config.resume_window,
+            ),
             events=self.metrics,
         )
         self.metrics.watch(self.store.stats)

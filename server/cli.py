@@ -49,6 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
         ttl=args.ttl,
         lease=args.lease,
         idle_timeout=args.idle_timeout,
+        resume_window=args.resume_window,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         workers=args.workers,
         keepalive_seconds=args.keepalive,
@@ -168,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ttl", type=float, default=300.0, help="seconds an unclaimed hand-off lives (default: 300)")
     serve.add_argument("--lease", type=float, default=30.0, help="seconds a streamed claim waits for its confirm (30)")
     serve.add_argument("--idle-timeout", type=float, default=30.0, help="seconds a push may send nothing (30)")
+    serve.add_argument("--resume-window", type=float, default=10.0,
+                       help="seconds a broken resumable push is kept for its retry (10)")  # fmt: skip
     serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port; -1: none (9464)")
     serve.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish on SIGTERM (10)")
     serve.add_argument("--workers", type=int, default=256, help="threads serving calls (256)")

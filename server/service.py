@@ -126,6 +126,8 @@ class HandoffBrokerServicer:
                 ttl=header.ttl_seconds,
                 no_wait=header.no_wait,
                 interrupt=context.cancel,
+                resumable=header.resumable,
+                resume=header.resume,
             )
             try:
                 for message in requests:
@@ -136,6 +138,9 @@ class HandoffBrokerServicer:
                     else:
                         raise MalformedRequest("a push has one header; a second one came", header.model)
                 result = session.finish()
+            except grpc.RpcError:
+                session.suspend()  # the stream broke: a resumable push waits for its retry, any other is freed
+                raise
             except BaseException:
                 session.abort()
                 raise
@@ -230,6 +235,18 @@ class HandoffBrokerServicer:
             draining=stats.draining,
             contracts=[contract_to_proto(self.store.contracts[m]) for m in sorted(self.store.contracts)],
         )
+
+
+    @_mapped
+    def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:
+        committed, position, ranges = self.store.progress(request.model, request.handoff_id)
+        carried = self.store.contract(request.model).carried
+        tensors = [
+            pb.TensorProgress(tensor=c.name, received=[pb.ByteRange(offset=o, length=n) for o, n in held])
+            for c, held in zip(carried, ranges)
+            if held
+        ]
+        return pb.PushProgress(tensors=tensors, complete=committed, position=position)
 
 
 class _Progress:

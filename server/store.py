@@ -91,6 +91,7 @@ class StoreConfig:
     ttl: float = 300.0
     lease: float = 30.0
     idle_timeout: float = 30.0
+    resume_window: float = 10.0
     tombstone_ttl: float = 600.0
     sweep_interval: float = 0.25
 
@@ -132,6 +133,10 @@ class _Entry:
     push_interrupt: Interrupt | None = None
     pull_interrupt: Interrupt | None = None
     ended: str | None = None  # why it left the store: aborted, replaced, expired, cancelled, confirmed
+    resumable: bool = False
+    suspended_until: float | None = None  # a broken resumable push, kept unseen until then
+    spans: list[TensorSpans] = field(default_factory=list)  # the push's checks so far, kept for a resume
+    received: list[tuple[int, int, int, int]] = field(default_factory=list)  # digest entries so far
     created: float = 0.0
     committed_at: float = 0.0
 
@@ -271,6 +276,8 @@ class Store:
         ttl: float = 0.0,
         no_wait: bool = False,
         interrupt: Interrupt | None = None,
+        resumable: bool = False,
+        resume: bool = False,
     ) -> PushSession:
         """Open a push: the header's checks, then the hand-off's whole size reserved (waiting up to `wait` s for
         room unless `no_wait`).
@@ -284,6 +291,8 @@ class Store:
             raise FingerprintMismatch(model, contract.fingerprint, fingerprint)
         contract.check_position(position)
         key = (model, handoff_id)
+        if resume:
+            return self._resume(contract, key, position, interrupt)
         deadline = self._clock() + (0.0 if no_wait else wait)
         interrupts: list[Interrupt] = []
         try:
@@ -313,11 +322,13 @@ class Store:
                         raise CapacityExhausted(model, contract.nbytes, free, self.config.max_bytes)
                     self._changed.wait(min(remaining, WAIT_SLICE))
                 ttl = self.config.ttl if ttl <= 0 else min(ttl, self.config.ttl)
-                session = _NewPush(self, contract, key)
-                entry = _Entry(key, contract, position, ttl, session, threading.Condition(self._lock))
+                entry = _Entry(key, contract, position, ttl, None, threading.Condition(self._lock))
+                entry.spans = [TensorSpans(model, c) for c in contract.carried]
+                entry.resumable = resumable
+                session = _NewPush(self, contract, key, entry)
+                entry.push = session
                 entry.created = entry.push_activity = self._clock()
                 entry.push_interrupt = interrupt
-                session.entry = entry
                 self._entries[key] = entry
                 self._tombstones.pop(key, None)
                 self._resident += entry.nbytes
@@ -325,6 +336,51 @@ class Store:
                 return session
         finally:
             _run(interrupts)
+
+    def _resume(self, contract: Contract, key: HandoffKey, position: int, interrupt: Interrupt | None) -> PushSession:
+        """Continue a broken resumable push: a new session on the same entry, its bytes and checks so far."""
+        model, handoff_id = key
+        with self._lock:
+            if self._draining:
+                raise Draining()
+            entry = self._entries.get(key)
+            if entry is None or entry.committed:
+                raise UnknownHandoff(model, handoff_id)  # nothing to resume (gone, or done): push it whole
+            if not entry.resumable:
+                raise UnknownHandoff(model, handoff_id)
+            if entry.position != position:
+                raise HandoffExists(model, handoff_id, f"was pushed at position {entry.position}, not {position}")
+            stale = [entry.push_interrupt] if entry.push is not None and entry.push_interrupt else []
+            session = _NewPush(self, contract, key, entry)  # the previous stream, if the broker still thinks it
+            entry.push = session  # alive, is dead to the pusher: it no longer owns the entry
+            entry.push_interrupt = interrupt
+            entry.suspended_until = None
+            entry.push_activity = self._clock()
+        _run(stale)
+        logger.info("push of %s/%s resumed with %d bytes held", model, handoff_id, sum(x.received for x in entry.spans))
+        return session
+
+    def _suspend(self, session: _NewPush) -> None:
+        """The push's stream broke: keep a resumable push, unseen, for the resume window; free any other at once."""
+        with self._lock:
+            entry = self._entries.get(session.key)
+            if entry is None or entry.push is not session:
+                return
+            entry.push_interrupt = None  # the stream is already gone
+            if not entry.resumable:
+                self._free(entry, "aborted")
+                return
+            entry.push = None
+            entry.suspended_until = self._clock() + self.config.resume_window
+
+    def progress(self, model: str, handoff_id: str) -> tuple[bool, int, list[list[tuple[int, int]]]]:
+        """(committed, position, each tensor's received ranges) of a push the broker holds, whole or in part."""
+        self.contract(model)
+        with self._lock:
+            entry = self._entries.get((model, handoff_id))
+            if entry is None:
+                raise UnknownHandoff(model, handoff_id)
+            return entry.committed, entry.position, [spans.ranges() for spans in entry.spans]
 
     def _append(self, session: _NewPush, chunk: StoredChunk) -> None:
         with self._lock:
@@ -511,7 +567,10 @@ class Store:
         with self._lock:
             for entry in list(self._entries.values()):
                 model, handoff_id = entry.key
-                if not entry.committed and now - entry.push_activity >= self.config.idle_timeout:
+                if not entry.committed and entry.push is None and now >= (entry.suspended_until or now):
+                    logger.info("broken push of %s/%s not resumed in time: freed", model, handoff_id)
+                    interrupts += self._free(entry, "aborted")
+                elif not entry.committed and now - entry.push_activity >= self.config.idle_timeout:
                     logger.info("push of %s/%s sent nothing for %ss: aborted", model, handoff_id, self.config.idle_timeout)
                     interrupts += self._free(entry, "aborted")
                 elif entry.claimed and entry.streaming and now - entry.pull_activity >= self.config.lease:
@@ -612,12 +671,19 @@ def _check_id(model: str, handoff_id: str) -> None:
 class PushSession:
     """One push stream's checks, chunk by chunk: name, bounds, overlap, checksum; then the whole at `finish`."""
 
-    def __init__(self, store: Store, contract: Contract, key: HandoffKey) -> None:
+    def __init__(
+        self,
+        store: Store,
+        contract: Contract,
+        key: HandoffKey,
+        spans: list[TensorSpans] | None = None,
+        received: list[tuple[int, int, int, int]] | None = None,
+    ) -> None:
         self.store = store
         self.contract = contract
         self.key = key
-        self._spans = [TensorSpans(contract.model, c) for c in contract.carried]
-        self._entries: list[tuple[int, int, int, int]] = []
+        self._spans = spans if spans is not None else [TensorSpans(contract.model, c) for c in contract.carried]
+        self._received = received if received is not None else []
 
     def add(self, chunk: ChunkFrame) -> None:
         index = self.contract.index(chunk.tensor)
@@ -625,17 +691,21 @@ class PushSession:
         self._spans[index].add(chunk.offset, length)
         if crc32c(chunk.data) != chunk.crc32c:
             raise BadChunk(self.contract.model, chunk.tensor, chunk.offset, length, "fails its CRC32C on arrival")
-        self._entries.append((index, chunk.offset, length, chunk.crc32c))
+        self._received.append((index, chunk.offset, length, chunk.crc32c))
         self._keep(StoredChunk(index, chunk.offset, length, chunk.crc32c, chunk.frame, chunk.data))
 
     def finish(self) -> PushOutcome:
         """The stream closed cleanly: every tensor whole, then the hand-off committed (or matched)."""
         for spans in self._spans:
             spans.check_complete()
-        return self._finish(handoff_digest(self._entries))
+        return self._finish(handoff_digest(self._received))
 
     def abort(self) -> None:
-        """The stream failed or broke: keep nothing."""
+        """The push was refused: keep nothing."""
+
+    def suspend(self) -> None:
+        """The push's stream broke: keep nothing, unless the push is resumable."""
+        self.abort()
 
     def _keep(self, chunk: StoredChunk) -> None:
         raise NotImplementedError
@@ -648,14 +718,20 @@ class _NewPush(PushSession):
     """A push of an id the broker does not hold: its chunks are kept (and fed to a pipelined puller at once), and
     become a complete hand-off at `finish`."""
 
-    entry: _Entry
+    def __init__(self, store: Store, contract: Contract, key: HandoffKey, entry: _Entry) -> None:
+        # The checks so far live on the entry, so a resumed push's session continues them.
+        super().__init__(store, contract, key, entry.spans, entry.received)
+        self.entry = entry
 
     def _keep(self, chunk: StoredChunk) -> None:
         self.store._append(self, chunk)
 
+    def suspend(self) -> None:
+        self.store._suspend(self)
+
     def _finish(self, digest: str) -> PushOutcome:
         self.store._commit(self, digest)
-        return PushOutcome(self.contract.nbytes, len(self._entries), digest, duplicate=False)
+        return PushOutcome(self.contract.nbytes, len(self._received), digest, duplicate=False)
 
     def abort(self) -> None:
         self.store._abort(self)
@@ -696,4 +772,4 @@ class _RepeatPush(PushSession):
         if self._stored is None and digest != self._want:
             model, handoff_id = self.key
             raise HandoffExists(model, handoff_id, "was delivered with different content (or chunking)")
-        return PushOutcome(self.contract.nbytes, len(self._entries), self._want, duplicate=True)
+        return PushOutcome(self.contract.nbytes, len(self._received), self._want, duplicate=True)

@@ -20,6 +20,7 @@ class Proxy:
         self.port = self.listener.getsockname()[1]
         self.address = f"127.0.0.1:{self.port}"
         self.connections = 0
+        self.carried: list[int] = []  # bytes each connection carried toward the broker
         self._cut_after: int | None = None
         self._frozen = threading.Event()
         self._closed = threading.Event()
@@ -45,13 +46,16 @@ class Proxy:
             crossed = [0]
             with self._lock:
                 self.connections += 1
+                self.carried.append(0)
                 self._sockets += [client, upstream]
+            index = len(self.carried) - 1
             for src, dst in ((client, upstream), (upstream, client)):
-                t = threading.Thread(target=self._pipe, args=(src, dst, budget, crossed, client, upstream), daemon=True)
+                args = (src, dst, budget, crossed, (client, upstream), index if src is client else None)
+                t = threading.Thread(target=self._pipe, args=args, daemon=True)
                 t.start()
                 self._threads.append(t)
 
-    def _pipe(self, src, dst, budget, crossed, *pair) -> None:
+    def _pipe(self, src, dst, budget, crossed, pair, upstream_index) -> None:
         try:
             while not self._closed.is_set():
                 data = src.recv(1 << 16)
@@ -62,6 +66,8 @@ class Proxy:
                     return
                 with self._lock:
                     crossed[0] += len(data)
+                    if upstream_index is not None:
+                        self.carried[upstream_index] += len(data)
                     cut = budget is not None and crossed[0] >= budget
                 if cut:
                     for s in pair:

@@ -285,6 +285,63 @@ def test_a_push_whose_connection_breaks_is_retried_and_lands_once(broker, contra
         proxy.close()
 
 
+def test_a_resumable_push_whose_connection_breaks_sends_only_the_rest(broker, contracts):
+    contract = contracts[DEMO]
+    proxy = Proxy(broker.port)
+    try:
+        proxy.cut_after(2_500_000)  # past the first tensors, well short of the 4.3 MB
+        tensors = seeded_tensors(contract, seed=12)
+        with HandoffClient(proxy.address, chunk_bytes=256 << 10) as client:
+            result = client.push(DEMO, "r", 1, tensors, resumable=True)
+        assert proxy.connections == 2 and not result.duplicate
+        assert proxy.carried[1] < contract.nbytes - 1_000_000  # the retry did not send it all again
+        with HandoffClient(broker.address) as client:
+            assert_same_bits(client.pull(DEMO, "r").state, tensors)
+        assert_holds_nothing(broker)
+    finally:
+        proxy.close()
+
+
+def test_a_broken_resumable_push_is_kept_unseen_for_the_resume_window_then_freed(start_broker, contracts):
+    broker = start_broker(resume_window=0.6)
+    contract = contracts[DEMO]
+    tensors = seeded_tensors(contract, seed=13)
+    header = pb.PushHeader(model=DEMO, handoff_id="r", position=1, fingerprint=contract.fingerprint, resumable=True)
+    frames = [pb.PushRequest(header=header).SerializeToString(), *chunk_frames(contract, tensors, 1 << 20)]
+    with HandoffClient(broker.address) as client, open_channel(broker.address) as channel:
+        gate = threading.Event()
+        push = channel.stream_unary(method_path("PushHandoff"), request_serializer=identity)
+        call = push.future(gated(frames, gate, after=4), timeout=30)
+        wait_until(lambda: sum(len(t.received) for t in client.push_progress(DEMO, "r").tensors) >= 2)
+        call.cancel()  # the prefill's stream breaks
+        wait_until(lambda: broker.store.stats().receiving == 1 and broker.store._entries[(DEMO, "r")].push is None)
+        kept = client.push_progress(DEMO, "r")
+        assert not kept.complete and kept.position == 1
+        assert [t.tensor for t in kept.tensors][0] == contract.carried[0].name
+        with pytest.raises(WaitTimedOut):
+            client.pull(DEMO, "r", timeout=0.2)  # unseen
+        wait_until(lambda: broker.store.stats().receiving == 0)  # the window passed: freed
+        gate.set()
+        assert isinstance(raises_handoff_error(client.push_progress, DEMO, "r"), _errors.UnknownHandoff)
+    assert_holds_nothing(broker)
+
+
+def test_resuming_a_push_that_is_not_kept_is_refused_so_the_client_pushes_it_whole(client, contracts):
+    contract = contracts[DEMO]
+    header = pb.PushHeader(model=DEMO, handoff_id="r", position=1, fingerprint=contract.fingerprint, resume=True)
+    error = raises_handoff_error(raw_push, client.target, [pb.PushRequest(header=header).SerializeToString()])
+    assert isinstance(error, _errors.UnknownHandoff)
+
+
+def test_the_bytes_a_resume_sends_are_exactly_those_not_held():
+    from handoff_client._client import _missing
+
+    assert list(_missing(10, [])) == [(0, 10)]
+    assert list(_missing(10, [(0, 10)])) == []
+    assert list(_missing(10, [(2, 3), (7, 1)])) == [(0, 2), (5, 7), (8, 10)]
+    assert list(_missing(10, [(0, 4), (4, 2)])) == [(6, 10)]
+
+
 def test_a_pull_whose_connection_breaks_is_retried_and_gets_the_whole_hand_off(broker, client, contracts):
     tensors = seeded_tensors(contracts[DEMO], seed=6)
     client.push(DEMO, "r", 1, tensors)

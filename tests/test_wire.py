@@ -89,7 +89,7 @@ def test_headers_and_garbage_are_told_apart_from_chunks():
 
 def test_the_servicer_implements_every_rpc_the_proto_declares():
     declared = {method.name for method in SERVICE.methods}
-    assert declared == {"ListContracts", "GetContract", "PushHandoff", "PullHandoff", "ConfirmHandoff", "CancelHandoff", "GetStatus"}
+    assert declared == {"ListContracts", "GetContract", "PushHandoff", "PullHandoff", "ConfirmHandoff", "CancelHandoff", "GetStatus", "GetPushProgress"}
     for name in declared:
         assert callable(getattr(HandoffBrokerServicer, name, None)), name
 

@@ -111,20 +111,24 @@ class Chunk(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "handoff_id", "position", "fingerprint", "ttl_seconds", "no_wait")
+    __slots__ = ("model", "handoff_id", "position", "fingerprint", "ttl_seconds", "no_wait", "resumable", "resume")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NO_WAIT_FIELD_NUMBER: _ClassVar[int]
+    RESUMABLE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     position: int
     fingerprint: str
     ttl_seconds: float
     no_wait: bool
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ...) -> None: ...
+    resumable: bool
+    resume: bool
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ..., resumable: _Optional[bool] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -219,6 +223,40 @@ class CancelResponse(_message.Message):
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     cancelled: bool
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+
+class PushProgressRequest(_message.Message):
+    __slots__ = ("model", "handoff_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    handoff_id: str
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ...) -> None: ...
+
+class TensorProgress(_message.Message):
+    __slots__ = ("tensor", "received")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    received: _containers.RepeatedCompositeFieldContainer[ByteRange]
+    def __init__(self, tensor: _Optional[str] = ..., received: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ...) -> None: ...
+
+class ByteRange(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class PushProgress(_message.Message):
+    __slots__ = ("tensors", "complete", "position")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorProgress]
+    complete: bool
+    position: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorProgress, _Mapping]]] = ..., complete: _Optional[bool] = ..., position: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
