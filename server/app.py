@@ -90,6 +90,7 @@ class Broker:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.keepalive_time_ms", int(config.keepalive_seconds * 1000)),
             ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_seconds * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(config.keepalive_timeout_seconds * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.so_reuseport", 0),  # a second broker on a taken port must fail, not silently share it

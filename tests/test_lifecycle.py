@@ -312,7 +312,7 @@ def test_a_broken_resumable_push_is_kept_unseen_for_the_resume_window_then_freed
         gate = threading.Event()
         push = channel.stream_unary(method_path("PushHandoff"), request_serializer=identity)
         call = push.future(gated(frames, gate, after=4), timeout=30)
-        wait_until(lambda: sum(len(t.received) for t in client.push_progress(DEMO, "r").tensors) >= 2)
+        wait_until(lambda: broker.store.stats().receiving == 1 and len(client.push_progress(DEMO, "r").tensors) >= 2)
         call.cancel()  # the prefill's stream breaks
         wait_until(lambda: broker.store.stats().receiving == 1 and broker.store._entries[(DEMO, "r")].push is None)
         kept = client.push_progress(DEMO, "r")
@@ -372,18 +372,33 @@ def test_a_retried_pull_takes_over_its_own_broken_claim_at_once(broker, client, 
 
 
 def test_a_decoder_whose_connection_half_dies_loses_its_claim_by_keepalive(start_broker, contracts):
+    """The decoder's link goes silent (no FIN, no RST) while its stream waits for the rest of a push: the broker's
+    HTTP/2 pings go unanswered, the connection is dropped, and the claim returns long before its lease would."""
     broker = start_broker(lease=60.0, keepalive_seconds=0.5, keepalive_timeout_seconds=0.5)
-    tensors = seeded_tensors(contracts["wide-attention"], seed=2)
+    contract = contracts[DEMO]
+    tensors = seeded_tensors(contract, seed=2)
+    gate = threading.Event()
+    frames = [header_frame(contract, "r"), *chunk_frames(contract, tensors, 1 << 20)]
+    thread, outcome = push_in_thread(broker.address, gated(frames, gate, after=3))
     proxy = Proxy(broker.port)
     try:
-        with HandoffClient(broker.address) as client, open_channel(proxy.address) as channel:
-            client.push("wide-attention", "r", 1, tensors)
-            stream = raw_pull(channel, "wide-attention", "r", timeout=60)
+        with open_channel(proxy.address) as channel:
+            stream = raw_pull(channel, DEMO, "r", timeout=60)
             next(stream)
-            proxy.freeze()  # no FIN, no RST: the peer is simply gone
-            wait_until(lambda: broker.store.stats().ready == 1, timeout=15)
-            assert_same_bits(client.pull("wide-attention", "r").state, tensors)
+            wait_until(lambda: broker.store._entries[(DEMO, "r")].claimed)
+            proxy.freeze()  # the decoder's host is gone: its side of the connection says nothing more
+            wait_until(lambda: not broker.store._entries[(DEMO, "r")].claimed, timeout=15)
+        with HandoffClient(broker.address) as decoder:
+            pulled = decoder.pull_tensors(DEMO, "r", timeout=20)
+            arrived = iter(pulled)
+            next(arrived)
+            gate.set()
+            list(arrived)
+            assert_same_bits(pulled.handoff.state, tensors)
+        thread.join(10)
+        assert "response" in outcome
     finally:
+        gate.set()
         proxy.close()
     assert_holds_nothing(broker)
 
