@@ -32,12 +32,31 @@ flight get --grace seconds, and the last log line counts what was still held.
 Every flag may also be set in the environment: --max-bytes as HANDOFF_MAX_BYTES, and so on."""
 
 
+def _config_contract(path: Path, ctx: int, dtype: str):  # noqa: ANN202 - a Contract
+    from .architectures import contract_from_config
+
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{path}: not a readable config.json: {e}") from None
+    try:
+        return contract_from_config(config, ctx=ctx, dtype=dtype)
+    except ManifestError as e:
+        raise ManifestError(f"{path}: {e}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .app import BrokerConfig, build_server, default_max_bytes
     from .contracts import default_contracts, load_contracts
 
     try:
-        contracts = load_contracts(Path(args.contracts)) if args.contracts else default_contracts()
+        contracts = load_contracts(Path(args.contracts)) if args.contracts else {}
+        for path in args.model_config or []:
+            contract = _config_contract(Path(path), args.config_ctx, args.config_dtype)
+            if contract.model in contracts:
+                raise ManifestError(f"{path}: model: `{contract.model}` is already served")
+            contracts[contract.model] = contract
+        contracts = contracts or default_contracts()
     except ManifestError as e:
         print(f"handoff-broker: cannot start: {e}", file=sys.stderr)
         return 2
@@ -69,6 +88,31 @@ def _serve(args: argparse.Namespace) -> int:
     stop.wait()
     logger.info("signal received: draining for up to %ss", args.grace)
     broker.stop(args.grace)
+    return 0
+
+
+def _contract_from_config(args: argparse.Namespace) -> int:
+    """Write the manifest of the model a Hugging Face config.json describes."""
+    from .architectures import contract_from_config
+
+    try:
+        config = json.loads(Path(args.config).read_text())
+        contract = contract_from_config(
+            config, ctx=args.ctx, dtype=args.dtype, model=args.model, state_dtype=args.state_dtype, scale=args.scale
+        )
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"handoff-broker: {args.config}: {e}", file=sys.stderr)
+        return 2
+    except ManifestError as e:
+        print(f"handoff-broker: {args.config}: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(contract.to_json(), indent=2) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"{args.output}: {contract.model}, {len(contract.carried)} carried tensors, {contract.nbytes} bytes "
+              f"a hand-off at ctx {contract.ctx}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -165,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: 50051)")
     serve.add_argument("--contracts", metavar="DIR", help="folder of *.json manifests (default: embedded demo-hybrid)")
+    serve.add_argument("--model-config", metavar="CONFIG.json", action="append",
+                       help="serve the contract derived from a Hugging Face config.json (repeatable)")  # fmt: skip
+    serve.add_argument("--config-ctx", type=int, default=4096, help="cache length for --model-config (4096)")
+    serve.add_argument("--config-dtype", default="bfloat16", help="cache dtype for --model-config (bfloat16)")
     serve.add_argument("--max-bytes", type=_parse_bytes, help="bytes of hand-offs held at most (default: half of RAM)")
     serve.add_argument("--ttl", type=float, default=300.0, help="seconds an unclaimed hand-off lives (default: 300)")
     serve.add_argument("--lease", type=float, default=30.0, help="seconds a streamed claim waits for its confirm (30)")
@@ -183,6 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(demo)
     demo.set_defaults(run=_demo)
+
+    derive = commands.add_parser("contract-from-config", help="write the manifest a Hugging Face config.json implies")
+    derive.add_argument("config", metavar="CONFIG.json")
+    derive.add_argument("--ctx", type=int, default=4096, help="cache length in positions (4096)")
+    derive.add_argument("--dtype", default="bfloat16", help="cache dtype; float8_e4m3fn and int8 add scales (bfloat16)")
+    derive.add_argument("--state-dtype", default="float32", help="dtype of linear-attention memories (float32)")
+    derive.add_argument("--scale", choices=["tensor", "row", "none"], help="scale tensors for quantized caches")
+    derive.add_argument("--model", help="the contract's model name (default: the config's _name_or_path)")
+    derive.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    derive.set_defaults(run=_contract_from_config)
 
     check = commands.add_parser("check-contracts", help="validate a folder of manifests and print each contract")
     check.add_argument("folder", metavar="DIR")

@@ -85,6 +85,18 @@ def test_every_serve_flag_may_come_from_the_environment_and_logs_may_be_json(tmp
     assert any("push every-dtype/held committed" in r["message"] for r in records)
 
 
+def test_serve_takes_a_hugging_face_config_json():
+    config = Path(__file__).parent / "configs" / "qwen3-8b.json"
+    broker, address = start_serving("--model-config", str(config), "--config-ctx", "2048")
+    try:
+        with HandoffClient(address) as client:
+            (contract,) = client.list_contracts()
+            assert (contract.model, contract.ctx, len(contract.carried)) == ("Qwen/Qwen3-8B", 2048, 72)
+    finally:
+        broker.send_signal(signal.SIGTERM)
+        assert broker.wait(timeout=15) == 0
+
+
 def test_serve_without_contracts_serves_the_embedded_demo_model():
     broker, address = start_serving()
     try:
