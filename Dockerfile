@@ -12,7 +12,7 @@ RUN useradd --system --uid 10001 --no-create-home broker
 USER broker
 WORKDIR /home/broker
 
-EXPOSE 50051
+EXPOSE 50051 9464
 # The same gRPC health check Kubernetes probes use.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=5s --retries=3 \
     CMD ["handoff-broker", "health", "--target", "127.0.0.1:50051"]

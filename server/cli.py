@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import tomllib
 from pathlib import Path
 
 from handoff_client._contract import ManifestError
@@ -29,7 +30,8 @@ def _parse_bytes(text: str) -> int:
 SERVE_HELP = """Run the broker until SIGTERM or SIGINT, then drain: new pushes and claims get UNAVAILABLE, streams in
 flight get --grace seconds, and the last log line counts what was still held.
 
-Every flag may also be set in the environment: --max-bytes as HANDOFF_MAX_BYTES, and so on."""
+Every flag may also be set in the environment (--max-bytes as HANDOFF_MAX_BYTES, and so on) or in a TOML file given
+by --config (max-bytes = "16GiB"); the command line wins over the environment, which wins over the file."""
 
 
 def _config_contract(path: Path, ctx: int, dtype: str):  # noqa: ANN202 - a Contract
@@ -173,6 +175,37 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _traffic(args: argparse.Namespace) -> int:
+    """A demo prefill or decode worker that moves hand-offs of one model continuously (for compose and dashboards):
+    the prefill pushes ids <prefix>-0, -1, ...; the decode pulls the same ids in order."""
+    import time
+
+    from handoff_client import HandoffClient, HandoffError
+
+    from .demo import demo_tensors
+
+    with HandoffClient(args.target) as client:
+        contract = None
+        n = 0
+        while args.count is None or n < args.count:
+            try:
+                contract = contract or client.get_contract(args.model)
+                handoff_id = f"{args.prefix}-{n}"
+                if args.role == "prefill":
+                    client.push(args.model, handoff_id, n % contract.ctx, demo_tensors(contract, n))
+                else:
+                    client.pull(args.model, handoff_id, timeout=30)
+                n += 1
+            except HandoffError as e:
+                logger.warning("%s %s: %s", args.role, args.model, e.message)
+                if args.count is not None:
+                    return 1
+                time.sleep(1.0)
+            time.sleep(args.interval)
+    print(f"{args.role}: {n} hand-offs of {args.model}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -206,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the broker", description=SERVE_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    serve.add_argument("--config", metavar="FILE.toml", help="settings by flag name; flags and env win over it")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: 50051)")
     serve.add_argument("--contracts", metavar="DIR", help="folder of *.json manifests (default: embedded demo-hybrid)")
@@ -245,6 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-contracts", help="validate a folder of manifests and print each contract")
     check.add_argument("folder", metavar="DIR")
     check.set_defaults(run=_check_contracts)
+    traffic = commands.add_parser("traffic", help="a demo worker moving hand-offs continuously (compose, dashboards)")
+    traffic.add_argument("role", choices=["prefill", "decode"])
+    traffic.add_argument("--target", default="127.0.0.1:50051")
+    traffic.add_argument("--model", default="demo-hybrid")
+    traffic.add_argument("--prefix", default="traffic")
+    traffic.add_argument("--interval", type=float, default=0.5, help="seconds between hand-offs (0.5)")
+    traffic.add_argument("--count", type=int, help="stop after this many (default: never)")
+    traffic.set_defaults(run=_traffic)
+
     status = commands.add_parser("status", help="what a live broker holds: hand-offs, bytes, contracts")
     status.add_argument("--target", default="127.0.0.1:50051")
     status.add_argument("--timeout", type=float, default=5.0)
@@ -257,6 +300,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """`serve --config FILE.toml`: its keys are the flags' names (`max-bytes = "16GiB"`, `ttl = 120`), below the
+    environment and the command line in precedence."""
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--config")
+    known, _ = peek.parse_known_args(argv)
+    path = known.config or os.environ.get(ENV_PREFIX + "CONFIG")
+    if not path or "serve" not in argv:
+        return
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    try:
+        with open(path, "rb") as f:
+            settings = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise SystemExit(f"handoff-broker: {path}: not a readable TOML config: {e}") from None
+    actions = {a.dest: a for a in serve._actions}
+    for key, value in settings.items():
+        dest = key.replace("-", "_")
+        if dest in ("help", "config") or dest not in actions:
+            raise SystemExit(f"handoff-broker: {path}: {key}: not a serve flag (see handoff-broker serve --help)")
+        if ENV_PREFIX + dest.upper() in os.environ:
+            continue  # the environment wins over the file
+        kind = actions[dest].type
+        if callable(kind) and isinstance(value, str):
+            value = kind(value)
+        serve.set_defaults(**{dest: value})
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         import grpc_health  # noqa: F401
@@ -265,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"handoff-broker: the broker needs its server extra (missing {e.name}): "
               "pip install 'handoff-broker[server]'", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    _apply_config_file(parser, argv)
+    args = parser.parse_args(argv)
     handler = logging.StreamHandler()
     if args.log_format == "json":
         handler.setFormatter(JsonFormatter())

@@ -51,16 +51,28 @@ def test_the_dockerfile_runs_commands_the_cli_accepts():
     assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 50051)
     health = build_parser().parse_args(_dockerfile_instruction("HEALTHCHECK")[1:])
     assert (health.command, health.target) == ("health", "127.0.0.1:50051")
-    assert "EXPOSE 50051" in (ROOT / "Dockerfile").read_text()
+    assert "EXPOSE 50051 9464" in (ROOT / "Dockerfile").read_text()
     assert re.search(r"^USER (?!root)\w+", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
 
 
 def test_the_compose_file_is_well_formed_and_its_commands_parse():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    broker = compose["services"]["broker"]
+    services = compose["services"]
+    assert set(services) == {"broker", "prefill", "decode", "prometheus", "grafana"}
+    broker = services["broker"]
     args = build_parser().parse_args(broker["command"])
     assert args.command == "serve" and f"{args.port}:{args.port}" in broker["ports"]
+    assert f"{args.metrics_port}:{args.metrics_port}" in broker["ports"]
     probe = broker["healthcheck"]["test"]
     assert probe[0] == "CMD" and probe[1] == "handoff-broker"
     assert build_parser().parse_args(probe[2:]).target.endswith(f":{args.port}")
-    assert shlex.join(probe)  # every element a plain string
+    for role in ("prefill", "decode"):
+        worker = build_parser().parse_args(services[role]["command"])
+        assert (worker.command, worker.role, worker.target) == ("traffic", role, f"broker:{args.port}")
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == [f"broker:{args.metrics_port}"]
+    mounts = services["grafana"]["volumes"] + services["prometheus"]["volumes"]
+    for mount in mounts:
+        assert (ROOT / mount.split(":")[0]).exists(), mount
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/handoff-broker.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
