@@ -126,7 +126,15 @@ class HandoffClient:
         credentials: grpc.ChannelCredentials | None = None,
         options: tuple[tuple[str, object], ...] = (),
         retry: RetryPolicy = DEFAULT_RETRY,
+        token: str | None = None,
+        tls_root_certificates: bytes | None = None,
+        tls_certificate_chain: bytes | None = None,
+        tls_private_key: bytes | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
+        """`token` is sent as `authorization: Bearer <token>` on every call. The tls_* arguments (PEM bytes) make
+        the channel TLS: the CA to trust, and for mutual TLS this client's certificate and key; `tls_server_name`
+        overrides the name checked against the broker's certificate. `credentials` takes any other gRPC kind."""
         if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_MESSAGE_BYTES - 1024}, got {chunk_bytes}")
         self.target = target
@@ -134,6 +142,11 @@ class HandoffClient:
         self.timeout = timeout
         self.retry = retry
         all_options = CHANNEL_OPTIONS + tuple(options)
+        if tls_server_name:
+            all_options += (("grpc.ssl_target_name_override", tls_server_name),)
+        if credentials is None and (tls_root_certificates or tls_certificate_chain):
+            credentials = grpc.ssl_channel_credentials(tls_root_certificates, tls_private_key, tls_certificate_chain)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=all_options)
         else:
@@ -304,7 +317,7 @@ class HandoffClient:
         contract = self.get_contract(model)
         deadline = self.timeout if timeout is None else timeout
         request = pb.PullRequest(model=model, handoff_id=handoff_id, supersedes=supersedes)
-        stream = self._pull(request, timeout=deadline)
+        stream = self._pull(request, timeout=deadline, metadata=self._metadata)
         return PulledTensors(self, contract, handoff_id, stream, deadline)
 
     def _confirm_claim(self, model: str, handoff_id: str, claim: int, timeout: float) -> None:
@@ -321,7 +334,7 @@ class HandoffClient:
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float | None) -> object:
         try:
-            return method(request, timeout=self.timeout if timeout is None else timeout)
+            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 

@@ -26,6 +26,8 @@
     ├── CallCancelled                                                                    CANCELLED
     │   └── HandoffCancelled          the router cancelled the hand-off
     ├── PushAborted                   the push a pull was streaming failed; discard it   ABORTED
+    ├── Unauthenticated               no token, or an unknown one                        UNAUTHENTICATED
+    ├── PermissionDenied              the token's roles or models do not cover the call  PERMISSION_DENIED
     ├── DigestMismatch                what a pull received does not match its digest     DATA_LOSS
     ├── InternalError                 a bug in the broker; the detail is in its log      INTERNAL
     └── RpcFailed                     any other gRPC failure, code kept
@@ -197,7 +199,8 @@ class UnknownModel(NotFound):
 
     def __init__(self, model: str, served: list[str]) -> None:
         listed = ", ".join(served) if served else "none"
-        super().__init__(f"no contract for model `{model}`; this broker serves: {listed}", model=model)
+        shown = model if len(model) <= 128 else model[:128] + "…"
+        super().__init__(f"no contract for model `{shown}`; this broker serves: {listed}", model=shown)
 
 
 class UnknownHandoff(NotFound):
@@ -360,6 +363,26 @@ class PushAborted(HandoffError):
             model=model,
             handoff_id=handoff_id,
         )
+
+
+class Unauthenticated(HandoffError):
+    """No bearer token, or one the broker does not know."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"{why}; send `authorization: Bearer <token>` with a token the broker was given (--tokens)")
+
+
+class PermissionDenied(HandoffError):
+    """The caller's token does not grant this call: a role it lacks, or a model outside its scope."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
+
+    def __init__(self, who: str, why: str, model: str | None = None) -> None:
+        super().__init__(f"token `{who}` {why}", model=model, principal=who)
 
 
 class DigestMismatch(HandoffError):

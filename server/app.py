@@ -22,6 +22,7 @@ from handoff_client._contract import Contract
 from handoff_client._wire import SERVICE_NAME
 
 from . import memory
+from .auth import AuthInterceptor, TokenTable
 from .contracts import default_contracts
 from .metrics import Metrics
 from .service import HandoffBrokerServicer, rpc_handler
@@ -61,6 +62,16 @@ class BrokerConfig:
     # HTTP/2 keepalive: a decoder whose connection dies without a FIN is noticed and its claim returned.
     keepalive_seconds: float = 20.0
     keepalive_timeout_seconds: float = 10.0
+    # Security: PEM bytes of the server's certificate chain and key (TLS), and of the CA that client certificates
+    # must chain to (mutual TLS); bearer tokens with roles.
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+    tls_client_ca: bytes | None = None
+    tokens: TokenTable | None = None
+    # Limits on what a client controls.
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_streams_per_connection: int = 100
+    push_deadline: float = 600.0
 
 
 class Broker:
@@ -78,6 +89,7 @@ class Broker:
                 lease=config.lease,
                 idle_timeout=config.idle_timeout,
                 resume_window=config.resume_window,
+                push_deadline=config.push_deadline,
             ),
             events=self.metrics,
         )
@@ -86,8 +98,9 @@ class Broker:
         self._metrics_server = None
         self.health = health.HealthServicer()
         options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_concurrent_streams", config.max_streams_per_connection),
             ("grpc.keepalive_time_ms", int(config.keepalive_seconds * 1000)),
             ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_seconds * 1000)),
             ("grpc.http2.ping_timeout_ms", int(config.keepalive_timeout_seconds * 1000)),
@@ -95,16 +108,29 @@ class Broker:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.so_reuseport", 0),  # a second broker on a taken port must fail, not silently share it
         ]
+        servicer = HandoffBrokerServicer(self.store, self.metrics)
+        interceptors = [AuthInterceptor(config.tokens, servicer._count_refusal)] if config.tokens else []
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="handoff-rpc"), options=options
+            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="handoff-rpc"),
+            options=options,
+            interceptors=interceptors,
         )
-        self.server.add_generic_rpc_handlers((rpc_handler(HandoffBrokerServicer(self.store, self.metrics)),))
+        self.server.add_generic_rpc_handlers((rpc_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{_bracketed(config.host)}:{config.port}")
+        address = f"{_bracketed(config.host)}:{config.port}"
+        if config.tls_cert is not None and config.tls_key is not None:
+            credentials = grpc.ssl_server_credentials(
+                [(config.tls_key, config.tls_cert)],
+                root_certificates=config.tls_client_ca,
+                require_client_auth=config.tls_client_ca is not None,
+            )
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
 
@@ -125,6 +151,12 @@ class Broker:
         self.server.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        tls = "mutual TLS" if self.config.tls_client_ca else "TLS" if self.config.tls_cert else "no TLS"
+        tokens = "bearer tokens" if self.config.tokens else "no tokens"
+        if not self.config.tls_cert and not self.config.tokens:
+            logger.warning("open: %s and %s; anyone who can reach %s may push, pull and cancel", tls, tokens, self.address)
+        else:
+            logger.info("secured with %s and %s", tls, tokens)
         logger.info(
             "serving %s on %s; %d bytes for hand-offs; ttl %ss, lease %ss",
             ", ".join(sorted(self.config.contracts)),

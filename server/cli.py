@@ -47,6 +47,35 @@ def _config_contract(path: Path, ctx: int, dtype: str):  # noqa: ANN202 - a Cont
         raise ManifestError(f"{path}: {e}") from None
 
 
+def _security(args: argparse.Namespace) -> dict:
+    """TLS material and tokens from their files; OSError or ManifestError naming the file when one is amiss."""
+    from .auth import TokenTable
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ManifestError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ManifestError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    return {
+        "tls_cert": read(args.tls_cert),
+        "tls_key": read(args.tls_key),
+        "tls_client_ca": read(args.tls_client_ca),
+        "tokens": TokenTable.load(Path(args.tokens)) if args.tokens else None,
+    }
+
+
+def _hash_token(args: argparse.Namespace) -> int:
+    """The sha256 a token file stores for a token read from stdin (so it never sits on a command line)."""
+    from .auth import hash_token
+
+    token = sys.stdin.readline().strip()
+    if not token:
+        print("handoff-broker: no token on stdin", file=sys.stderr)
+        return 2
+    print(hash_token(token))
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .app import BrokerConfig, build_server, default_max_bytes
     from .contracts import default_contracts, load_contracts
@@ -62,7 +91,16 @@ def _serve(args: argparse.Namespace) -> int:
     except ManifestError as e:
         print(f"handoff-broker: cannot start: {e}", file=sys.stderr)
         return 2
+    try:
+        security = _security(args)
+    except (OSError, ManifestError) as e:
+        print(f"handoff-broker: cannot start: {e}", file=sys.stderr)
+        return 2
     config = BrokerConfig(
+        **security,
+        max_message_bytes=args.max_message_bytes,
+        max_streams_per_connection=args.max_streams_per_connection,
+        push_deadline=args.push_deadline,
         host=args.host,
         port=args.port,
         contracts=contracts,
@@ -256,6 +294,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port; -1: none (9464)")
     serve.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish on SIGTERM (10)")
     serve.add_argument("--workers", type=int, default=256, help="threads serving calls (256)")
+    serve.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (with --tls-key)")
+    serve.add_argument("--tls-key", metavar="PEM", help="the TLS private key")
+    serve.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates from this CA (mutual TLS)")
+    serve.add_argument("--tokens", metavar="FILE", help="bearer tokens (hashed) with roles and models; see auth.py")
+    serve.add_argument("--max-message-bytes", type=_parse_bytes, default=64 << 20,
+                       help="largest message (chunk frame) accepted (64MiB)")  # fmt: skip
+    serve.add_argument("--max-streams-per-connection", type=int, default=100,
+                       help="concurrent streams one connection may open (100)")  # fmt: skip
+    serve.add_argument("--push-deadline", type=float, default=600.0,
+                       help="seconds a push may take from header to end before it is aborted (600)")  # fmt: skip
     serve.add_argument("--keepalive", type=float, default=20.0, help="seconds between HTTP/2 pings on idle links (20)")
     serve.add_argument("--keepalive-timeout", type=float, default=10.0, help="seconds a ping may go unanswered (10)")
     serve.set_defaults(run=_serve)
@@ -287,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     traffic.add_argument("--interval", type=float, default=0.5, help="seconds between hand-offs (0.5)")
     traffic.add_argument("--count", type=int, help="stop after this many (default: never)")
     traffic.set_defaults(run=_traffic)
+
+    hashing = commands.add_parser("hash-token", help="print the sha256 a token file stores, for a token on stdin")
+    hashing.set_defaults(run=_hash_token)
 
     status = commands.add_parser("status", help="what a live broker holds: hand-offs, bytes, contracts")
     status.add_argument("--target", default="127.0.0.1:50051")

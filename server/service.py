@@ -20,6 +20,7 @@ from handoff_client._frames import ChunkFrame
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import SERVICE, Malformed, contract_to_proto, decode_push_request, identity
 
+from .auth import authorize_model, may_see
 from .metrics import Metrics
 from .store import Claim, Store
 
@@ -95,15 +96,19 @@ class HandoffBrokerServicer:
 
     def _refused(self, rpc: str, error: HandoffError) -> None:
         logger.info("%s refused: %s %s", rpc, error.reason, error.message)
+        self._count_refusal(error)
+
+    def _count_refusal(self, error: HandoffError) -> None:
         self.metrics.rejections.labels(self._model_label(error.model), error.reason).inc()
 
     @_mapped
     def ListContracts(self, request: pb.ListContractsRequest, context: grpc.ServicerContext) -> pb.ListContractsResponse:
-        contracts = [contract_to_proto(self.store.contracts[m]) for m in sorted(self.store.contracts)]
-        return pb.ListContractsResponse(contracts=contracts)
+        models = [m for m in sorted(self.store.contracts) if may_see(m)]
+        return pb.ListContractsResponse(contracts=[contract_to_proto(self.store.contracts[m]) for m in models])
 
     @_mapped
     def GetContract(self, request: pb.GetContractRequest, context: grpc.ServicerContext) -> pb.Contract:
+        authorize_model(request.model)
         return contract_to_proto(self.store.contract(request.model))
 
     @_mapped
@@ -112,6 +117,7 @@ class HandoffBrokerServicer:
         if not isinstance(header, pb.PushHeader):
             why = header.why if isinstance(header, Malformed) else "a push must start with its header"
             raise MalformedRequest(why)
+        authorize_model(header.model)
         started = time.monotonic()
         model = self._model_label(header.model)
         outcome = "refused"
@@ -168,6 +174,7 @@ class HandoffBrokerServicer:
 
     @_mapped_stream
     def PullHandoff(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        authorize_model(request.model)
         claim = self.store.claim(
             request.model,
             request.handoff_id,
@@ -210,12 +217,14 @@ class HandoffBrokerServicer:
 
     @_mapped
     def ConfirmHandoff(self, request: pb.ConfirmRequest, context: grpc.ServicerContext) -> pb.ConfirmResponse:
+        authorize_model(request.model)
         self.store.confirm(request.model, request.handoff_id, request.claim)
         logger.info("confirmed %s/%s by claim %d", request.model, request.handoff_id, request.claim)
         return pb.ConfirmResponse()
 
     @_mapped
     def CancelHandoff(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelResponse:
+        authorize_model(request.model)
         cancelled = self.store.cancel(request.model, request.handoff_id)
         logger.info("cancel %s/%s: %s", request.model, request.handoff_id, "freed" if cancelled else "nothing held")
         return pb.CancelResponse(cancelled=cancelled)
@@ -239,6 +248,7 @@ class HandoffBrokerServicer:
 
     @_mapped
     def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:
+        authorize_model(request.model)
         committed, position, ranges = self.store.progress(request.model, request.handoff_id)
         carried = self.store.contract(request.model).carried
         tensors = [

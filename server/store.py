@@ -92,6 +92,7 @@ class StoreConfig:
     lease: float = 30.0
     idle_timeout: float = 30.0
     resume_window: float = 10.0
+    push_deadline: float = 600.0
     tombstone_ttl: float = 600.0
     sweep_interval: float = 0.25
 
@@ -569,6 +570,10 @@ class Store:
                 model, handoff_id = entry.key
                 if not entry.committed and entry.push is None and now >= (entry.suspended_until or now):
                     logger.info("broken push of %s/%s not resumed in time: freed", model, handoff_id)
+                    interrupts += self._free(entry, "aborted")
+                elif not entry.committed and now - entry.created >= self.config.push_deadline:
+                    logger.info("push of %s/%s still unfinished after %ss: aborted", model, handoff_id,
+                                self.config.push_deadline)  # fmt: skip
                     interrupts += self._free(entry, "aborted")
                 elif not entry.committed and now - entry.push_activity >= self.config.idle_timeout:
                     logger.info("push of %s/%s sent nothing for %ss: aborted", model, handoff_id, self.config.idle_timeout)

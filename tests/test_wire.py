@@ -117,6 +117,8 @@ EXAMPLES = [
     _errors.WaitTimedOut("m", "r", 1.5),
     _errors.CapacityExhausted("m", 10, 5, 8),
     _errors.PushAborted("m", "r"),
+    _errors.Unauthenticated("no bearer token"),
+    _errors.PermissionDenied("prefill-pool", "has roles prefill; PullHandoff needs decode"),
     _errors.Draining(),
     _errors.HandoffCancelled("m", "r"),
     _errors.InternalError(),

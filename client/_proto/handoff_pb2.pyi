@@ -31,6 +31,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INTERNAL_ERROR: _ClassVar[ErrorReason]
     DIGEST_MISMATCH: _ClassVar[ErrorReason]
     PUSH_ABORTED: _ClassVar[ErrorReason]
+    UNAUTHENTICATED: _ClassVar[ErrorReason]
+    PERMISSION_DENIED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 UNKNOWN_TENSOR: ErrorReason
 MISSING_TENSOR: ErrorReason
@@ -53,6 +55,8 @@ HANDOFF_CANCELLED: ErrorReason
 INTERNAL_ERROR: ErrorReason
 DIGEST_MISMATCH: ErrorReason
 PUSH_ABORTED: ErrorReason
+UNAUTHENTICATED: ErrorReason
+PERMISSION_DENIED: ErrorReason
 
 class Carried(_message.Message):
     __slots__ = ("name", "layer", "rows", "cols", "dtype")
