@@ -415,6 +415,7 @@ class RpcFailed(HandoffError):
     def __init__(self, status: grpc.StatusCode, message: str) -> None:
         super().__init__(f"{status.name}: {message}")
         self.status = status
+        self.code = status  # type: ignore[misc]  # this instance's real code, not the class's UNKNOWN
 
 
 def _concrete(cls: type[HandoffError]) -> list[type[HandoffError]]:
