@@ -65,7 +65,15 @@ def manifest(model: str, nbytes: int) -> dict:
             if left <= 0:
                 break
             rows = min(per, left)
-            carried.append({"name": f"layers.{layer}.self_attn.{kind}", "layer": layer, "rows": rows, "cols": 1024, "dtype": "bfloat16"})
+            carried.append(
+                {
+                    "name": f"layers.{layer}.self_attn.{kind}",
+                    "layer": layer,
+                    "rows": rows,
+                    "cols": 1024,
+                    "dtype": "bfloat16",
+                }
+            )
             left -= rows
         layer += 1
     return {"model": model, "ctx": 1 << 20, "hidden": 4096, "carried": carried}
@@ -218,10 +226,21 @@ def role_naive_grpc_relay(port_file: str) -> None:
             yield pb.PullResponse(chunk=pb.Chunk(data=data))
 
     server = grpc.server(futures.ThreadPoolExecutor(8), options=[("grpc.max_receive_message_length", 64 * MiB)])
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("naive.Relay", {
-        "Push": grpc.stream_unary_rpc_method_handler(push, pb.PushRequest.FromString, pb.PushResponse.SerializeToString),
-        "Pull": grpc.unary_stream_rpc_method_handler(pull, pb.PullRequest.FromString, pb.PullResponse.SerializeToString),
-    }),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "naive.Relay",
+                {
+                    "Push": grpc.stream_unary_rpc_method_handler(
+                        push, pb.PushRequest.FromString, pb.PushResponse.SerializeToString
+                    ),
+                    "Pull": grpc.unary_stream_rpc_method_handler(
+                        pull, pb.PullRequest.FromString, pb.PullResponse.SerializeToString
+                    ),
+                },
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     Path(port_file).write_text(str(port))
@@ -386,7 +405,7 @@ def role_latency(kind: str, endpoint: str, nbytes: int, iterations: int) -> None
     print(json.dumps({"seconds": seconds}))
 
 
-ROLES = {name[len("role_"):].replace("_", "-"): fn for name, fn in globals().items() if name.startswith("role_")}
+ROLES = {name[len("role_") :].replace("_", "-"): fn for name, fn in globals().items() if name.startswith("role_")}
 
 
 # -- the orchestra --------------------------------------------------------------------------------------------------
@@ -607,13 +626,17 @@ def _machine() -> dict:
 
 
 def report(results: dict) -> str:
-    lines = [f"machine: {results['machine']['cpus']} cpus, {results['machine']['cpu']}, Python {results['machine']['python']}"]
+    lines = [
+        f"machine: {results['machine']['cpus']} cpus, {results['machine']['cpu']}, Python {results['machine']['python']}"
+    ]
     for label, row in results["throughput"].items():
         lines.append(f"\n{label} ({row['bytes'] / MiB:.0f} MiB)           MiB/s    x tcp relay")
         for name, figures in row["paths"].items():
             lines.append(f"  {name:<14} {figures['mib_s']:>10.0f}    {figures['vs_tcp']:>6.2f}")
-        lines.append(f"  broker CPU: {row['broker_cpu_s_per_gib']:.2f} s per GiB moved; pipelined pull had its first "
-                     f"tensor at {100 * row['pipelined_first_layer_at']:.1f}% of the push's duration")
+        lines.append(
+            f"  broker CPU: {row['broker_cpu_s_per_gib']:.2f} s per GiB moved; pipelined pull had its first "
+            f"tensor at {100 * row['pipelined_first_layer_at']:.1f}% of the push's duration"
+        )
     if results["latency"]:
         lines.append("\nsmall hand-off, push then pull (64 KiB)   p50 ms    p99 ms")
         for name, figures in results["latency"].items():
@@ -621,13 +644,17 @@ def report(results: dict) -> str:
     if results["concurrency"]:
         lines.append("\nconcurrent pusher/puller pairs (handoff)   aggregate MiB/s   slowest pair   fastest pair")
         for pairs, figures in results["concurrency"].items():
-            lines.append(f"  {pairs:>3} pairs {figures['aggregate_mib_s']:>33.0f} {figures['slowest_pair_mib_s']:>14.0f}"
-                         f" {figures['fastest_pair_mib_s']:>14.0f}")
+            lines.append(
+                f"  {pairs:>3} pairs {figures['aggregate_mib_s']:>33.0f} {figures['slowest_pair_mib_s']:>14.0f}"
+                f" {figures['fastest_pair_mib_s']:>14.0f}"
+            )
     if "memory" in results:
         m = results["memory"]
-        lines.append(f"\nbroker memory holding {m['bytes_held'] / MiB:.0f} MiB: RSS {m['rss_before_mib']:.0f} MiB before, "
-                     f"{m['rss_holding_mib']:.0f} MiB holding, peak {m['peak_rss_mib']:.0f} MiB "
-                     f"(peak - before = {m['peak_over_base_vs_held']:.2f} x the bytes held)")
+        lines.append(
+            f"\nbroker memory holding {m['bytes_held'] / MiB:.0f} MiB: RSS {m['rss_before_mib']:.0f} MiB before, "
+            f"{m['rss_holding_mib']:.0f} MiB holding, peak {m['peak_rss_mib']:.0f} MiB "
+            f"(peak - before = {m['peak_over_base_vs_held']:.2f} x the bytes held)"
+        )
     lines += [f"note: {n}" for n in results["notes"]]
     return "\n".join(lines)
 
@@ -649,7 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.chunk_bytes:
         os.environ["BENCH_CHUNK_BYTES"] = str(args.chunk_bytes)
     runs = args.runs or (2 if args.quick else 3)
-    sizes = {"1 MiB": MiB, "16 MiB": 16 * MiB} if args.quick else {"1 MiB": MiB, "16 MiB": 16 * MiB, "256 MiB": 256 * MiB}
+    sizes = (
+        {"1 MiB": MiB, "16 MiB": 16 * MiB} if args.quick else {"1 MiB": MiB, "16 MiB": 16 * MiB, "256 MiB": 256 * MiB}
+    )
     models = {f"bench-{label.replace(' ', '').lower()}": manifest(f"bench-{label.replace(' ', '').lower()}", n)
               for label, n in sizes.items()}  # fmt: skip
     models["bench-64kib"] = manifest("bench-64kib", 64 << 10)
@@ -664,8 +693,11 @@ def main(argv: list[str] | None = None) -> int:
             if not args.quick:
                 bench.throughput("Llama-3-8B, 4k ctx, bf16", LLAMA3_8B_4K["model"], 512 * MiB)
             bench.latency(64 << 10, 50 if args.quick else 300)
-            bench.concurrency("bench-16mib" if not args.quick else "bench-1mib", 16 * MiB if not args.quick else MiB,
-                              [1, 4] if args.quick else [1, 4, 16])
+            bench.concurrency(
+                "bench-16mib" if not args.quick else "bench-1mib",
+                16 * MiB if not args.quick else MiB,
+                [1, 4] if args.quick else [1, 4, 16],
+            )
             big = max(sizes.values())
             bench.peak_memory(f"bench-{[k for k, v in sizes.items() if v == big][0].replace(' ', '').lower()}", big)
         finally:

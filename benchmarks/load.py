@@ -28,7 +28,16 @@ from pathlib import Path
 
 import numpy as np
 
-from handoff_client import AlreadyClaimed, CallCancelled, Contract, DeadlineExceeded, HandoffClient, HandoffError, HandoffGone, NO_RETRY
+from handoff_client import (
+    AlreadyClaimed,
+    CallCancelled,
+    Contract,
+    DeadlineExceeded,
+    HandoffClient,
+    HandoffError,
+    HandoffGone,
+    NO_RETRY,
+)
 from handoff_client._frames import encode_chunk
 from handoff_client._proto import handoff_pb2 as pb
 
@@ -74,15 +83,22 @@ def broker_rss(pid: int) -> tuple[int, int]:
     return get("VmRSS"), get("VmHWM")
 
 
-def run_load(target: str, seconds: float, pairs: int, models: list[str], seed: int = 0, pull_timeout: float = 30.0) -> Books:
+def run_load(
+    target: str, seconds: float, pairs: int, models: list[str], seed: int = 0, pull_timeout: float = 30.0
+) -> Books:
     """Drive `pairs` prefill and `pairs` decode threads against `target` for `seconds`; return the books."""
     rng = random.Random(seed)
     books = Books()
     with HandoffClient(target) as admin:
         contracts = {m: admin.get_contract(m) for m in models}
     bases = {
-        m: {c.name: np.random.default_rng(seed).integers(0, 256, c.nbytes, np.uint8).view(c.numpy_dtype).reshape(c.shape)
-            for c in contract.carried}
+        m: {
+            c.name: np.random.default_rng(seed)
+            .integers(0, 256, c.nbytes, np.uint8)
+            .view(c.numpy_dtype)
+            .reshape(c.shape)
+            for c in contract.carried
+        }
         for m, contract in contracts.items()
     }
     to_push: queue.Queue = queue.Queue(maxsize=pairs * 2)
@@ -192,7 +208,9 @@ def kill_push(client: HandoffClient, contract: Contract, handoff_id: str, tensor
     gate = threading.Event()
 
     def frames():
-        header = pb.PushHeader(model=contract.model, handoff_id=handoff_id, position=1, fingerprint=contract.fingerprint)
+        header = pb.PushHeader(
+            model=contract.model, handoff_id=handoff_id, position=1, fingerprint=contract.fingerprint
+        )
         yield pb.PushRequest(header=header).SerializeToString()
         for c in contract.carried[: max(1, len(contract.carried) // 2)]:
             yield encode_chunk(c.name, 0, tensors[c.name].tobytes())
@@ -216,7 +234,9 @@ def audit(books: Books) -> list[str]:
         if fate == "kill-pusher" and delivered:
             problems.append(f"{handoff_id}: its push was killed, yet it was delivered")
         if fate in ("normal", "kill-puller") and handoff_id in books.pushed and delivered != 1:
-            problems.append(f"{handoff_id}: pushed whole but delivered {delivered} times ({books.refused.get(handoff_id)})")
+            problems.append(
+                f"{handoff_id}: pushed whole but delivered {delivered} times ({books.refused.get(handoff_id)})"
+            )
         if fate in ("normal", "kill-puller") and handoff_id not in books.pushed and delivered:
             problems.append(f"{handoff_id}: delivered though its push never succeeded")
     return problems
@@ -239,8 +259,30 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_against_own_broker(seconds: float, pairs: int, max_bytes: str, models: list[str], contracts: str) -> dict:
     """Start a broker process, load it, audit the books, and read its memory and holdings at the end."""
-    command = [sys.executable, "-m", "handoff_broker.cli", "--log-level", "WARNING", "serve", "--port", "0", "--metrics-port", "0"]
-    command += ["--contracts", contracts, "--max-bytes", max_bytes, "--lease", "2", "--idle-timeout", "2", "--ttl", "30"]
+    command = [
+        sys.executable,
+        "-m",
+        "handoff_broker.cli",
+        "--log-level",
+        "WARNING",
+        "serve",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+    ]
+    command += [
+        "--contracts",
+        contracts,
+        "--max-bytes",
+        max_bytes,
+        "--lease",
+        "2",
+        "--idle-timeout",
+        "2",
+        "--ttl",
+        "30",
+    ]
     broker = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         address = re.match(r"handoff-broker listening on (\S+);", broker.stdout.readline()).group(1)

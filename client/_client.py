@@ -44,7 +44,7 @@ from ._errors import (
 )
 from ._frames import ChunkFrame, crc32c, encode_chunk, handoff_digest
 from ._proto import handoff_pb2 as pb
-from ._wire import contract_from_proto, decode_pull_response, identity, method_path
+from ._wire import contract_from_proto, decode_pull_response, identity, message_classes, method_path
 
 logger = logging.getLogger(__name__)
 
@@ -152,16 +152,14 @@ class HandoffClient:
         else:
             self._channel = grpc.secure_channel(target, credentials, options=all_options)
         self._contracts: dict[str, Contract] = {}
-        self._list = self._channel.unary_unary(
-            method_path("ListContracts"),
-            request_serializer=pb.ListContractsRequest.SerializeToString,
-            response_deserializer=pb.ListContractsResponse.FromString,
+        unary = self._unary
+        self._list, self._get, self._confirm = unary("ListContracts"), unary("GetContract"), unary("ConfirmHandoff")
+        self._status, self._progress, self._cancel = (
+            unary("GetStatus"),
+            unary("GetPushProgress"),
+            unary("CancelHandoff"),
         )
-        self._get = self._channel.unary_unary(
-            method_path("GetContract"),
-            request_serializer=pb.GetContractRequest.SerializeToString,
-            response_deserializer=pb.Contract.FromString,
-        )
+        # The two streams carry chunk frames, encoded and decoded by hand (_frames.py).
         self._push = self._channel.stream_unary(
             method_path("PushHandoff"), request_serializer=identity, response_deserializer=pb.PushResponse.FromString
         )
@@ -170,25 +168,11 @@ class HandoffClient:
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=decode_pull_response,
         )
-        self._confirm = self._channel.unary_unary(
-            method_path("ConfirmHandoff"),
-            request_serializer=pb.ConfirmRequest.SerializeToString,
-            response_deserializer=pb.ConfirmResponse.FromString,
-        )
-        self._status = self._channel.unary_unary(
-            method_path("GetStatus"),
-            request_serializer=pb.StatusRequest.SerializeToString,
-            response_deserializer=pb.StatusResponse.FromString,
-        )
-        self._progress = self._channel.unary_unary(
-            method_path("GetPushProgress"),
-            request_serializer=pb.PushProgressRequest.SerializeToString,
-            response_deserializer=pb.PushProgress.FromString,
-        )
-        self._cancel = self._channel.unary_unary(
-            method_path("CancelHandoff"),
-            request_serializer=pb.CancelRequest.SerializeToString,
-            response_deserializer=pb.CancelResponse.FromString,
+
+    def _unary(self, name: str) -> grpc.UnaryUnaryMultiCallable:
+        request, response = message_classes(name)
+        return self._channel.unary_unary(
+            method_path(name), request_serializer=request.SerializeToString, response_deserializer=response.FromString
         )
 
     def close(self) -> None:

@@ -193,7 +193,9 @@ class TensorSpans:
         if length == 0:
             raise BadChunk(self.model, name, offset, length, "is empty")
         if offset + length > size:
-            raise BadChunk(self.model, name, offset, length, f"runs past the tensor's {size} bytes ({self.carried.layout()})")
+            raise BadChunk(
+                self.model, name, offset, length, f"runs past the tensor's {size} bytes ({self.carried.layout()})"
+            )
         at = bisect.bisect_right(self._starts, offset)
         if (at > 0 and self._ends[at - 1] > offset) or (at < len(self._starts) and self._starts[at] < offset + length):
             raise BadChunk(self.model, name, offset, length, "overlaps bytes already received")

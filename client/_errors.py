@@ -96,7 +96,9 @@ class UnknownTensor(ContractViolation):
     reason = "UNKNOWN_TENSOR"
 
     def __init__(self, model: str, tensor: str) -> None:
-        super().__init__(f"{model}: the hand-off carries `{tensor}`, which no decode step reads", model=model, tensor=tensor)
+        super().__init__(
+            f"{model}: the hand-off carries `{tensor}`, which no decode step reads", model=model, tensor=tensor
+        )
 
 
 class MissingTensor(ContractViolation):

@@ -6,6 +6,8 @@ hand-kept list (tests/test_wire.py checks the servicer implements every one).
 
 from __future__ import annotations
 
+from google.protobuf import message_factory
+
 from ._contract import Carried, Contract
 from ._frames import ChunkFrame, decode_chunk, encode_chunk
 from ._proto import handoff_pb2 as pb
@@ -23,12 +25,20 @@ def method_path(name: str) -> str:
     return f"/{SERVICE_NAME}/{SERVICE.methods_by_name[name].name}"
 
 
+def message_classes(name: str) -> tuple[type, type]:
+    """The generated request and response classes of one of the service's RPCs, as its descriptor names them."""
+    method = SERVICE.methods_by_name[name]
+    return message_factory.GetMessageClass(method.input_type), message_factory.GetMessageClass(method.output_type)
+
+
 def contract_to_proto(contract: Contract) -> pb.Contract:
     return pb.Contract(
         model=contract.model,
         ctx=contract.ctx,
         hidden=contract.hidden,
-        carried=[pb.Carried(name=c.name, layer=c.layer, rows=c.rows, cols=c.cols, dtype=c.dtype) for c in contract.carried],
+        carried=[
+            pb.Carried(name=c.name, layer=c.layer, rows=c.rows, cols=c.cols, dtype=c.dtype) for c in contract.carried
+        ],
         fingerprint=contract.fingerprint,
     )
 

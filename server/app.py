@@ -154,7 +154,9 @@ class Broker:
         tls = "mutual TLS" if self.config.tls_client_ca else "TLS" if self.config.tls_cert else "no TLS"
         tokens = "bearer tokens" if self.config.tokens else "no tokens"
         if not self.config.tls_cert and not self.config.tokens:
-            logger.warning("open: %s and %s; anyone who can reach %s may push, pull and cancel", tls, tokens, self.address)
+            logger.warning(
+                "open: %s and %s; anyone who can reach %s may push, pull and cancel", tls, tokens, self.address
+            )
         else:
             logger.info("secured with %s and %s", tls, tokens)
         logger.info(

@@ -72,7 +72,9 @@ class _Layers:
 def _get(config: dict, key: str, model_type: str) -> int:
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"config.json of model_type `{model_type}`: `{key}` must be a positive integer, got {value!r}")
+        raise ConfigError(
+            f"config.json of model_type `{model_type}`: `{key}` must be a positive integer, got {value!r}"
+        )
     return value
 
 
@@ -152,9 +154,7 @@ def _gemma(config: dict, model_type: str, layers: _Layers) -> None:
     sixth layer is global. `layer_types`, where the config has it, is taken as written.
     """
     pattern = 2 if model_type == "gemma2" else config.get("sliding_window_pattern", 6)
-    types = _layer_types(
-        config, model_type, lambda i: "sliding_attention" if (i + 1) % pattern else "full_attention"
-    )
+    types = _layer_types(config, model_type, lambda i: "sliding_attention" if (i + 1) % pattern else "full_attention")
     _attention(layers, config, model_type, _windows_from_types(config, model_type, types))
 
 
@@ -189,7 +189,9 @@ def _qwen3_next(config: dict, model_type: str, layers: _Layers) -> None:
     cols = _kv_heads(config, model_type) * _head_dim(config, model_type)
     for i, kind in enumerate(types):
         if kind == "linear_attention":
-            layers.state(f"layers.{i}.linear_attn.conv_ring", i, kernel - 1, 2 * k_heads * k_dim + v_heads * v_dim, conv_dtype)
+            layers.state(
+                f"layers.{i}.linear_attn.conv_ring", i, kernel - 1, 2 * k_heads * k_dim + v_heads * v_dim, conv_dtype
+            )
             layers.state(f"layers.{i}.linear_attn.memory", i, v_heads * k_dim, v_dim, layers.options.state_dtype)
         elif kind == "full_attention":
             layers.cache(f"layers.{i}.self_attn.k_cache", i, layers.options.ctx, cols)

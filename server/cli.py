@@ -124,7 +124,9 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     broker.start()
     metrics = f"; metrics on :{broker.metrics_port}/metrics" if broker.metrics_port is not None else ""
-    print(f"handoff-broker listening on {broker.address}; max {config.max_bytes} bytes of hand-offs{metrics}", flush=True)
+    print(
+        f"handoff-broker listening on {broker.address}; max {config.max_bytes} bytes of hand-offs{metrics}", flush=True
+    )
     stop.wait()
     logger.info("signal received: draining for up to %ss", args.grace)
     broker.stop(args.grace)
@@ -149,8 +151,11 @@ def _contract_from_config(args: argparse.Namespace) -> int:
     text = json.dumps(contract.to_json(), indent=2) + "\n"
     if args.output:
         Path(args.output).write_text(text)
-        print(f"{args.output}: {contract.model}, {len(contract.carried)} carried tensors, {contract.nbytes} bytes "
-              f"a hand-off at ctx {contract.ctx}", file=sys.stderr)
+        print(
+            f"{args.output}: {contract.model}, {len(contract.carried)} carried tensors, {contract.nbytes} bytes "
+            f"a hand-off at ctx {contract.ctx}",
+            file=sys.stderr,
+        )
     else:
         sys.stdout.write(text)
     return 0
@@ -165,8 +170,10 @@ def _check_contracts(args: argparse.Namespace) -> int:
         print(f"handoff-broker: {e}", file=sys.stderr)
         return 2
     for model, contract in sorted(contracts.items()):
-        print(f"{model}: ctx {contract.ctx}, hidden {contract.hidden}, {len(contract.carried)} carried tensors, "
-              f"{contract.nbytes} bytes per hand-off, fingerprint {contract.fingerprint}")
+        print(
+            f"{model}: ctx {contract.ctx}, hidden {contract.hidden}, {len(contract.carried)} carried tensors, "
+            f"{contract.nbytes} bytes per hand-off, fingerprint {contract.fingerprint}"
+        )
         for c in contract.carried:
             print(f"  layer {c.layer:>3}  {c.name:<40} {c.rows:>7} x {c.cols:<6} {c.dtype:<14} {c.nbytes:>12} bytes")
     return 0
@@ -201,15 +208,21 @@ def _status(args: argparse.Namespace) -> int:
             return 1
     held = status.receiving + status.ready + status.claimed
     print(f"{args.target}: {'DRAINING' if status.draining else 'serving'}")
-    print(f"  hand-offs held: {held} ({status.receiving} receiving, {status.ready} ready, {status.claimed} claimed); "
-          f"oldest {status.oldest_seconds:.1f} s")
+    print(
+        f"  hand-offs held: {held} ({status.receiving} receiving, {status.ready} ready, {status.claimed} claimed); "
+        f"oldest {status.oldest_seconds:.1f} s"
+    )
     share = status.resident_bytes / status.max_bytes if status.max_bytes else 0.0
-    print(f"  bytes: {status.resident_bytes} of {status.max_bytes} ({100 * share:.1f}%); "
-          f"{status.tombstones} recently gone remembered")
+    print(
+        f"  bytes: {status.resident_bytes} of {status.max_bytes} ({100 * share:.1f}%); "
+        f"{status.tombstones} recently gone remembered"
+    )
     for message in status.contracts:
         contract = contract_from_proto(message)
-        print(f"  contract {contract.model}: ctx {contract.ctx}, {len(contract.carried)} tensors, "
-              f"{contract.nbytes} bytes a hand-off, fingerprint {contract.fingerprint[:16]}")
+        print(
+            f"  contract {contract.model}: ctx {contract.ctx}, {len(contract.carried)} tensors, "
+            f"{contract.nbytes} bytes a hand-off, fingerprint {contract.fingerprint[:16]}"
+        )
     return 0
 
 
@@ -268,11 +281,21 @@ class _EnvDefaults(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="handoff-broker", description="Hands LLM decode state from prefill to decode.")
-    parser.add_argument("--log-level", default=os.environ.get("HANDOFF_LOG_LEVEL", "INFO"),
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="[env HANDOFF_LOG_LEVEL]")
-    parser.add_argument("--log-format", default=os.environ.get("HANDOFF_LOG_FORMAT", "text"), choices=["text", "json"],
-                        help="one line per event, as text or JSON [env HANDOFF_LOG_FORMAT]")
+    parser = argparse.ArgumentParser(
+        prog="handoff-broker", description="Hands LLM decode state from prefill to decode."
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("HANDOFF_LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="[env HANDOFF_LOG_LEVEL]",
+    )
+    parser.add_argument(
+        "--log-format",
+        default=os.environ.get("HANDOFF_LOG_FORMAT", "text"),
+        choices=["text", "json"],
+        help="one line per event, as text or JSON [env HANDOFF_LOG_FORMAT]",
+    )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_EnvDefaults)
 
     serve = commands.add_parser("serve", help="run the broker", description=SERVE_HELP,
@@ -384,8 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         import grpc_health  # noqa: F401
         import grpc_reflection  # noqa: F401
     except ImportError as e:
-        print(f"handoff-broker: the broker needs its server extra (missing {e.name}): "
-              "pip install 'handoff-broker[server]'", file=sys.stderr)
+        print(
+            f"handoff-broker: the broker needs its server extra (missing {e.name}): "
+            "pip install 'handoff-broker[server]'",
+            file=sys.stderr,
+        )
         return 2
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()

@@ -45,7 +45,12 @@ def push_worker(target: str, model: str, handoff_id: str, position: int, seed: i
         tensors = demo_tensors(client.get_contract(model), seed)
         started = time.perf_counter()
         result = client.push(model, handoff_id, position, tensors)
-        return {"role": "prefill", "bytes": result.bytes, "chunks": result.chunks, "seconds": time.perf_counter() - started}
+        return {
+            "role": "prefill",
+            "bytes": result.bytes,
+            "chunks": result.chunks,
+            "seconds": time.perf_counter() - started,
+        }
 
 
 def pull_worker(target: str, model: str, handoff_id: str, seed: int, timeout: float) -> dict:
@@ -90,18 +95,26 @@ def run_demo(args: argparse.Namespace) -> int:
             return 1
         pushed, pulled = json.loads(prefill.stdout), json.loads(decoded)
         stats = broker.store.stats()
-    print(f"prefill process pushed {pushed['bytes']} bytes in {pushed['chunks']} chunks "
-          f"in {pushed['seconds'] * 1000:.1f} ms")
-    print(f"decode process pulled position {pulled['position']} in {pulled['seconds'] * 1000:.1f} ms "
-          "(its wait for the push included)")
+    print(
+        f"prefill process pushed {pushed['bytes']} bytes in {pushed['chunks']} chunks "
+        f"in {pushed['seconds'] * 1000:.1f} ms"
+    )
+    print(
+        f"decode process pulled position {pulled['position']} in {pulled['seconds'] * 1000:.1f} ms "
+        "(its wait for the push included)"
+    )
     print(f"{'layer':>5}  {'tensor':<34} {'shape':<12} {'dtype':<9} {'bytes':>10}  bit-identical")
     for t in pulled["tensors"]:
         shape = "x".join(map(str, t["shape"]))
-        print(f"{t['layer']:>5}  {t['name']:<34} {shape:<12} {t['dtype']:<9} {t['bytes']:>10}  {'yes' if t['identical'] else 'NO'}")
+        print(
+            f"{t['layer']:>5}  {t['name']:<34} {shape:<12} {t['dtype']:<9} {t['bytes']:>10}  {'yes' if t['identical'] else 'NO'}"
+        )
     total = sum(t["bytes"] for t in pulled["tensors"])
     identical = all(t["identical"] for t in pulled["tensors"])
-    print(f"{len(pulled['tensors'])} tensors, {total} bytes, {'all bit-identical' if identical else 'MISMATCH'}; "
-          f"{elapsed:.2f} s end to end; broker holds {stats.resident_bytes} bytes after the confirm")
+    print(
+        f"{len(pulled['tensors'])} tensors, {total} bytes, {'all bit-identical' if identical else 'MISMATCH'}; "
+        f"{elapsed:.2f} s end to end; broker holds {stats.resident_bytes} bytes after the confirm"
+    )
     return 0 if identical and stats.resident_bytes == 0 else 1
 
 

@@ -37,11 +37,20 @@ class Metrics:
             ["model", "outcome"], registry=registry,
         )  # fmt: skip
         self.rejections = Counter(
-            "handoff_rejections_total", "Calls refused, by the ErrorReason sent.", ["model", "reason"], registry=registry
+            "handoff_rejections_total",
+            "Calls refused, by the ErrorReason sent.",
+            ["model", "reason"],
+            registry=registry,
         )
-        self.bytes_in = Counter("handoff_received_bytes_total", "Tensor bytes received in pushes.", ["model"], registry=registry)
-        self.bytes_out = Counter("handoff_sent_bytes_total", "Tensor bytes sent in pulls.", ["model"], registry=registry)
-        self.confirms = Counter("handoff_confirms_total", "Hand-offs confirmed by their decoder.", ["model"], registry=registry)
+        self.bytes_in = Counter(
+            "handoff_received_bytes_total", "Tensor bytes received in pushes.", ["model"], registry=registry
+        )
+        self.bytes_out = Counter(
+            "handoff_sent_bytes_total", "Tensor bytes sent in pulls.", ["model"], registry=registry
+        )
+        self.confirms = Counter(
+            "handoff_confirms_total", "Hand-offs confirmed by their decoder.", ["model"], registry=registry
+        )
         self.expiries = Counter(
             "handoff_expired_total", "Hand-offs that expired unclaimed, memory freed.", ["model"], registry=registry
         )
@@ -49,7 +58,9 @@ class Metrics:
             "handoff_lease_returns_total", "Claims ended without a confirm (broken, stalled, lapsed): back to the pool.",
             ["model"], registry=registry,
         )  # fmt: skip
-        self.cancels = Counter("handoff_cancelled_total", "Hand-offs cancelled by the router.", ["model"], registry=registry)
+        self.cancels = Counter(
+            "handoff_cancelled_total", "Hand-offs cancelled by the router.", ["model"], registry=registry
+        )
         self.push_seconds = Histogram(
             "handoff_push_duration_seconds", "From a push's header to its commit.", ["model"],
             buckets=DURATION_BUCKETS, registry=registry,
@@ -66,7 +77,9 @@ class Metrics:
             "handoff_end_to_end_seconds", "From a push's header to its decoder's confirm.", ["model"],
             buckets=DURATION_BUCKETS, registry=registry,
         )  # fmt: skip
-        self.streams = Gauge("handoff_streams_in_flight", "Push and pull streams open now.", ["kind"], registry=registry)
+        self.streams = Gauge(
+            "handoff_streams_in_flight", "Push and pull streams open now.", ["kind"], registry=registry
+        )
         for kind in ("push", "pull"):
             self.streams.labels(kind)
 
@@ -104,7 +117,11 @@ class _StoreCollector(Collector):
         for state, count in (("receiving", s.receiving), ("ready", s.ready), ("claimed", s.claimed)):
             held.add_metric([state], count)
         yield held
-        yield GaugeMetricFamily("handoff_resident_bytes", "Bytes reserved by the hand-offs held.", value=s.resident_bytes)
-        yield GaugeMetricFamily("handoff_capacity_bytes", "The most the broker may hold (--max-bytes).", value=s.max_bytes)
+        yield GaugeMetricFamily(
+            "handoff_resident_bytes", "Bytes reserved by the hand-offs held.", value=s.resident_bytes
+        )
+        yield GaugeMetricFamily(
+            "handoff_capacity_bytes", "The most the broker may hold (--max-bytes).", value=s.max_bytes
+        )
         yield GaugeMetricFamily("handoff_oldest_seconds", "Age of the oldest hand-off held.", value=s.oldest_seconds)
         yield GaugeMetricFamily("handoff_draining", "1 while the broker drains.", value=float(s.draining))

@@ -12,13 +12,12 @@ import time
 from collections.abc import Callable, Iterator
 
 import grpc
-from google.protobuf import message_factory
 from grpc_status import rpc_status
 
 from handoff_client._errors import HandoffError, InternalError, MalformedRequest, to_status
 from handoff_client._frames import ChunkFrame
 from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import SERVICE, Malformed, contract_to_proto, decode_push_request, identity
+from handoff_client._wire import SERVICE, Malformed, contract_to_proto, decode_push_request, identity, message_classes
 
 from .auth import authorize_model, may_see
 from .metrics import Metrics
@@ -102,7 +101,9 @@ class HandoffBrokerServicer:
         self.metrics.rejections.labels(self._model_label(error.model), error.reason).inc()
 
     @_mapped
-    def ListContracts(self, request: pb.ListContractsRequest, context: grpc.ServicerContext) -> pb.ListContractsResponse:
+    def ListContracts(
+        self, request: pb.ListContractsRequest, context: grpc.ServicerContext
+    ) -> pb.ListContractsResponse:
         models = [m for m in sorted(self.store.contracts) if may_see(m)]
         return pb.ListContractsResponse(contracts=[contract_to_proto(self.store.contracts[m]) for m in models])
 
@@ -229,7 +230,6 @@ class HandoffBrokerServicer:
         logger.info("cancel %s/%s: %s", request.model, request.handoff_id, "freed" if cancelled else "nothing held")
         return pb.CancelResponse(cancelled=cancelled)
 
-
     @_mapped
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         stats = self.store.stats()
@@ -244,7 +244,6 @@ class HandoffBrokerServicer:
             draining=stats.draining,
             contracts=[contract_to_proto(self.store.contracts[m]) for m in sorted(self.store.contracts)],
         )
-
 
     @_mapped
     def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:
@@ -291,8 +290,7 @@ def rpc_handler(servicer: HandoffBrokerServicer) -> grpc.GenericRpcHandler:
     """The service's handlers, one per RPC of the descriptor, each of the streaming kind the .proto declares."""
     handlers = {}
     for method in SERVICE.methods:
-        request_class = message_factory.GetMessageClass(method.input_type)
-        response_class = message_factory.GetMessageClass(method.output_type)
+        request_class, response_class = message_classes(method.name)
         deserialize, serialize = _CODECS.get(method.name, (request_class.FromString, response_class.SerializeToString))
         behaviour = getattr(servicer, method.name)
         kind = {

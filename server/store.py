@@ -304,7 +304,9 @@ class Store:
                     held = self._entries.get(key)
                     if held is not None and held.committed:
                         if held.position != position:
-                            raise HandoffExists(model, handoff_id, f"was pushed at position {held.position}, not {position}")
+                            raise HandoffExists(
+                                model, handoff_id, f"was pushed at position {held.position}, not {position}"
+                            )
                         return _RepeatPush(self, contract, key, held=held)
                     tomb = self._tombstones.get(key)
                     if tomb is not None and tomb.how == "cancelled":
@@ -454,7 +456,9 @@ class Store:
                     logger.info("claim %d on %s/%s superseded by its own retry", supersedes, model, handoff_id)
                     stale = self._unclaim(entry)
                 if entry is not None and not entry.claimed:
-                    first_wait = self._clock() - entry.committed_at if entry.committed and not entry.generation else None
+                    first_wait = (
+                        self._clock() - entry.committed_at if entry.committed and not entry.generation else None
+                    )
                     self.events.claimed(model, first_wait)
                     entry.generation += 1
                     entry.claimed = entry.streaming = True
@@ -576,7 +580,9 @@ class Store:
                                 self.config.push_deadline)  # fmt: skip
                     interrupts += self._free(entry, "aborted")
                 elif not entry.committed and now - entry.push_activity >= self.config.idle_timeout:
-                    logger.info("push of %s/%s sent nothing for %ss: aborted", model, handoff_id, self.config.idle_timeout)
+                    logger.info(
+                        "push of %s/%s sent nothing for %ss: aborted", model, handoff_id, self.config.idle_timeout
+                    )
                     interrupts += self._free(entry, "aborted")
                 elif entry.claimed and entry.streaming and now - entry.pull_activity >= self.config.lease:
                     logger.info("claim %d on %s/%s stalled: revoked", entry.generation, model, handoff_id)
@@ -630,7 +636,9 @@ class Store:
             self._bury(entry.key, how, entry.generation, entry.digest)
         # A pusher still sending is cut off; a pipelined puller waiting in `feed` hears why from there, so only a
         # cancel also interrupts the puller (which may be blocked on flow control, out of feed's reach).
-        interrupts = [entry.push_interrupt] if entry.push_interrupt and how in ("aborted", "replaced", "cancelled") else []
+        interrupts = (
+            [entry.push_interrupt] if entry.push_interrupt and how in ("aborted", "replaced", "cancelled") else []
+        )
         if how == "cancelled" and entry.streaming and entry.pull_interrupt:
             interrupts.append(entry.pull_interrupt)
         entry.push_interrupt = entry.pull_interrupt = None

@@ -114,7 +114,13 @@ def test_contract_from_config_writes_a_manifest_the_broker_loads(tmp_path: Path)
     from handoff_broker.contracts import load_contracts
 
     out = tmp_path / "qwen3-next.json"
-    command = [sys.executable, "-m", "handoff_broker.cli", "contract-from-config", str(CONFIGS / "qwen3-next-80b-a3b.json")]
+    command = [
+        sys.executable,
+        "-m",
+        "handoff_broker.cli",
+        "contract-from-config",
+        str(CONFIGS / "qwen3-next-80b-a3b.json"),
+    ]
     result = subprocess.run([*command, "--ctx", "8192", "--model", "qwen3-next", "-o", str(out)],
                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors

@@ -30,7 +30,12 @@ def test_demo_moves_a_hand_off_between_two_processes_bit_for_bit():
 
 
 def start_serving(*args: str) -> tuple[subprocess.Popen, str]:
-    broker = subprocess.Popen([*COMMAND, "serve", "--port", "0", "--metrics-port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    broker = subprocess.Popen(
+        [*COMMAND, "serve", "--port", "0", "--metrics-port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = broker.stdout.readline()
     match = re.match(r"handoff-broker listening on (\S+);", line)
     assert match, f"no listening line: {line!r} {broker.stderr.read() if broker.poll() is not None else ''}"
@@ -120,7 +125,10 @@ def test_check_contracts_prints_each_contract_with_its_bytes_and_fingerprint(con
     result = run("check-contracts", str(MANIFESTS))
     assert result.returncode == 0, result.stderr
     demo = contracts["demo-hybrid"]
-    assert f"demo-hybrid: ctx 4096, hidden 256, 8 carried tensors, 4334592 bytes per hand-off, fingerprint {demo.fingerprint}" in result.stdout
+    assert (
+        f"demo-hybrid: ctx 4096, hidden 256, 8 carried tensors, 4334592 bytes per hand-off, fingerprint {demo.fingerprint}"
+        in result.stdout
+    )
     assert "layers.1.self_attn.k_cache" in result.stdout
 
 

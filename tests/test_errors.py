@@ -74,7 +74,9 @@ def confirm(client: HandoffClient, handoff_id: str, claim: int) -> None:
 def test_an_unknown_model_is_not_found_and_the_message_lists_what_is_served(client):
     error = raises_handoff_error(client.get_contract, "llama-9")
     assert isinstance(error, UnknownModel) and error.code is grpc.StatusCode.NOT_FOUND
-    assert error.message == "no contract for model `llama-9`; this broker serves: demo-hybrid, every-dtype, wide-attention"
+    assert (
+        error.message == "no contract for model `llama-9`; this broker serves: demo-hybrid, every-dtype, wide-attention"
+    )
 
 
 def test_a_push_from_a_different_contract_is_refused_with_both_fingerprints(broker, contract, good_frames):
@@ -228,7 +230,9 @@ def test_the_client_refuses_the_same_faults_with_the_same_errors(broker, client,
     tensors = seeded_tensors(contract)
     cases = []
     local = raises_handoff_error(client.push, MODEL, "r", contract.ctx, tensors)
-    remote = push_error(broker, [header_frame(contract, "r", position=contract.ctx), *chunk_frames(contract, tensors, 64)])
+    remote = push_error(
+        broker, [header_frame(contract, "r", position=contract.ctx), *chunk_frames(contract, tensors, 64)]
+    )
     cases.append((local, remote))
     short = {**tensors, F32: tensors[F32].reshape(-1)[:90].reshape(90, 1)}
     local = raises_handoff_error(client.push, MODEL, "r", 1, short)

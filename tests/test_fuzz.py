@@ -46,10 +46,16 @@ def headers(contract) -> st.SearchStrategy[bytes]:
     good = pb.PushHeader(model=MODEL, handoff_id="fuzz", position=1, fingerprint=contract.fingerprint)
     variants = st.one_of(
         st.just(good),
-        st.builds(lambda p: pb.PushHeader(model=MODEL, handoff_id="fuzz", position=p, fingerprint=contract.fingerprint),
-                  st.integers(0, 2**64 - 1)),  # fmt: skip
-        st.builds(lambda m, i, f: pb.PushHeader(model=m, handoff_id=i, position=1, fingerprint=f),
-                  st.text(max_size=40), st.text(max_size=300), st.text(max_size=70)),  # fmt: skip
+        st.builds(
+            lambda p: pb.PushHeader(model=MODEL, handoff_id="fuzz", position=p, fingerprint=contract.fingerprint),
+            st.integers(0, 2**64 - 1),
+        ),  # fmt: skip
+        st.builds(
+            lambda m, i, f: pb.PushHeader(model=m, handoff_id=i, position=1, fingerprint=f),
+            st.text(max_size=40),
+            st.text(max_size=300),
+            st.text(max_size=70),
+        ),  # fmt: skip
     )
     return variants.map(lambda h: pb.PushRequest(header=h).SerializeToString())
 
@@ -60,8 +66,13 @@ def chunks() -> st.SearchStrategy[bytes]:
         return encode_chunk(tensor, offset, data, crc)
 
     return st.one_of(
-        st.builds(frame, st.sampled_from(TENSORS) | st.text(max_size=20), st.integers(0, 2**64 - 1) | st.integers(0, 800),
-                  st.binary(max_size=900), st.booleans()),  # fmt: skip
+        st.builds(
+            frame,
+            st.sampled_from(TENSORS) | st.text(max_size=20),
+            st.integers(0, 2**64 - 1) | st.integers(0, 800),
+            st.binary(max_size=900),
+            st.booleans(),
+        ),  # fmt: skip
         st.binary(max_size=64),  # garbage on the wire
     )
 

@@ -71,7 +71,10 @@ def test_a_push_that_does_not_fit_fails_at_once_when_asked_not_to_wait(start_bro
         client.push(DEMO, "first", 1, tensors)
         error = raises_handoff_error(client.push, DEMO, "second", 1, tensors, wait_for_room=False)
         assert isinstance(error, CapacityExhausted) and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert error.message == f"{DEMO}: the hand-off needs {nbytes} bytes and the broker has {nbytes // 2} of {nbytes * 3 // 2} free"
+        assert (
+            error.message
+            == f"{DEMO}: the hand-off needs {nbytes} bytes and the broker has {nbytes // 2} of {nbytes * 3 // 2} free"
+        )
         assert broker.store.stats().resident_bytes == nbytes  # no byte of the refused push was accepted
         client.pull(DEMO, "first")
         assert_holds_nothing(broker)
@@ -181,7 +184,10 @@ def test_cancel_frees_a_hand_off_that_waits_and_refuses_its_pull_and_a_late_push
 
 def test_cancel_interrupts_a_push_in_flight(broker, client, contracts):
     gate = threading.Event()
-    frames = [header_frame(contracts[DEMO], "r"), *chunk_frames(contracts[DEMO], seeded_tensors(contracts[DEMO]), 1 << 16)]
+    frames = [
+        header_frame(contracts[DEMO], "r"),
+        *chunk_frames(contracts[DEMO], seeded_tensors(contracts[DEMO]), 1 << 16),
+    ]
     thread, outcome = push_in_thread(broker.address, gated(frames, gate, after=5))
     wait_until(lambda: broker.store.stats().receiving == 1)
     assert client.cancel(DEMO, "r") is True
@@ -196,7 +202,9 @@ def test_cancel_interrupts_a_puller_in_flight_and_one_still_waiting(broker, clie
     with open_channel(broker.address) as channel:
         stream = raw_pull(channel, "wide-attention", "big")
         next(stream)
-        waiting = threading.Thread(target=lambda: outcome.update(e=raises_handoff_error(client.pull, DEMO, "later", timeout=10)))
+        waiting = threading.Thread(
+            target=lambda: outcome.update(e=raises_handoff_error(client.pull, DEMO, "later", timeout=10))
+        )
         outcome: dict = {}
         waiting.start()
         time.sleep(0.2)
@@ -263,10 +271,20 @@ def test_drain_refuses_new_work_and_lets_streams_in_flight_finish(start_broker, 
 
 
 def test_what_the_client_retries_is_exactly_what_is_safe():
-    kinds = {cls: cls._rebuild("x", {}) for cls in [*_errors.BY_REASON.values(), _errors.BrokerUnavailable, _errors.CallCancelled, _errors.DeadlineExceeded]}
+    kinds = {
+        cls: cls._rebuild("x", {})
+        for cls in [
+            *_errors.BY_REASON.values(),
+            _errors.BrokerUnavailable,
+            _errors.CallCancelled,
+            _errors.DeadlineExceeded,
+        ]
+    }
     assert {cls for cls, e in kinds.items() if retryable_push(e)} == {_errors.BrokerUnavailable}
     assert {cls for cls, e in kinds.items() if retryable_pull(e)} == {
-        _errors.BrokerUnavailable, _errors.CallCancelled, _errors.PushAborted,
+        _errors.BrokerUnavailable,
+        _errors.CallCancelled,
+        _errors.PushAborted,
     }
 
 

@@ -8,8 +8,8 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import seeded_tensors
-from handoff_client import HandoffClient, HandoffError
-from support import chunk_frames, header_frame, raises_handoff_error, raw_push
+from handoff_client import HandoffClient
+from support import header_frame, raises_handoff_error, raw_push
 from test_claims import wait_until
 
 

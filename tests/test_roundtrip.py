@@ -23,7 +23,13 @@ def test_the_broker_publishes_its_contracts(client: HandoffClient, contracts):
     demo = client.get_contract("demo-hybrid")
     first = demo.carried[0]
     assert (demo.ctx, demo.hidden, first.name, first.layer, first.rows, first.cols, first.dtype) == (
-        4096, 256, "layers.0.linear_attn.conv_ring", 0, 3, 768, "bfloat16",
+        4096,
+        256,
+        "layers.0.linear_attn.conv_ring",
+        0,
+        3,
+        768,
+        "bfloat16",
     )
 
 

@@ -90,7 +90,10 @@ def test_tokens_decide_who_may_push_pull_and_read_status(start_broker, token_fil
     with HandoffClient(address, token="guessed", retry=_no_retry()) as guesser:
         assert "an unknown bearer token" in raises_handoff_error(guesser.get_contract, MODEL).message
     tensors = seeded_tensors(contracts[MODEL])
-    with HandoffClient(address, token="prefill-secret") as prefill, HandoffClient(address, token="decode-secret") as decode:
+    with (
+        HandoffClient(address, token="prefill-secret") as prefill,
+        HandoffClient(address, token="decode-secret") as decode,
+    ):
         prefill.push(MODEL, "r", 1, tensors)
         error = raises_handoff_error(prefill.pull, MODEL, "r", timeout=2)
         assert isinstance(error, PermissionDenied) and error.code is grpc.StatusCode.PERMISSION_DENIED

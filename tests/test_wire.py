@@ -89,7 +89,16 @@ def test_headers_and_garbage_are_told_apart_from_chunks():
 
 def test_the_servicer_implements_every_rpc_the_proto_declares():
     declared = {method.name for method in SERVICE.methods}
-    assert declared == {"ListContracts", "GetContract", "PushHandoff", "PullHandoff", "ConfirmHandoff", "CancelHandoff", "GetStatus", "GetPushProgress"}
+    assert declared == {
+        "ListContracts",
+        "GetContract",
+        "PushHandoff",
+        "PullHandoff",
+        "ConfirmHandoff",
+        "CancelHandoff",
+        "GetStatus",
+        "GetPushProgress",
+    }
     for name in declared:
         assert callable(getattr(HandoffBrokerServicer, name, None)), name
 
@@ -143,4 +152,3 @@ def test_a_status_without_our_details_maps_by_its_code():
     assert type(_errors.from_status(grpc.StatusCode.UNAVAILABLE, "down", [])) is _errors.BrokerUnavailable
     other = _errors.from_status(grpc.StatusCode.UNIMPLEMENTED, "nope", [])
     assert isinstance(other, _errors.RpcFailed) and other.status is grpc.StatusCode.UNIMPLEMENTED
-

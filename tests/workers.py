@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterator
 
-import grpc
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
