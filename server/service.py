@@ -144,6 +144,10 @@ class HandoffBrokerServicer:
                         raise MalformedRequest(message.why, header.model)
                     else:
                         raise MalformedRequest("a push has one header; a second one came", header.model)
+                if header.resumable and not session.complete:
+                    # grpcio can end a broken client stream as if it had closed cleanly: a resumable push that
+                    # ends short is kept for its resume either way (and a live caller still hears what is missing).
+                    session.suspend()
                 result = session.finish()
             except grpc.RpcError:
                 session.suspend()  # the stream broke: a resumable push waits for its retry, any other is freed

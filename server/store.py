@@ -707,6 +707,10 @@ class PushSession:
         self._received.append((index, chunk.offset, length, chunk.crc32c))
         self._keep(StoredChunk(index, chunk.offset, length, chunk.crc32c, chunk.frame, chunk.data))
 
+    @property
+    def complete(self) -> bool:
+        return all(spans.complete for spans in self._spans)
+
     def finish(self) -> PushOutcome:
         """The stream closed cleanly: every tensor whole, then the hand-off committed (or matched)."""
         for spans in self._spans:
