@@ -27,7 +27,6 @@ cancel), always called outside the lock. Every method is thread-safe; a PushSess
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 import time
@@ -39,7 +38,6 @@ from typing import Protocol
 from handoff_client._contract import Contract, TensorSpans
 from handoff_client._errors import (
     AlreadyClaimed,
-    BadChunk,
     CapacityExhausted,
     Draining,
     FingerprintMismatch,
@@ -53,7 +51,8 @@ from handoff_client._errors import (
     UnknownModel,
     WaitTimedOut,
 )
-from handoff_client._frames import ChunkFrame, crc32c, handoff_digest
+
+from .pushes import PushSession, StoredChunk, _NewPush, _RepeatPush
 
 logger = logging.getLogger(__name__)
 
@@ -95,18 +94,6 @@ class StoreConfig:
     push_deadline: float = 600.0
     tombstone_ttl: float = 600.0
     sweep_interval: float = 0.25
-
-
-@dataclass(frozen=True)
-class StoredChunk:
-    """A checked chunk, kept as the frame it arrived in so a puller gets those very bytes."""
-
-    index: int
-    offset: int
-    length: int
-    crc: int
-    frame: bytes
-    data: memoryview
 
 
 @dataclass(eq=False)
@@ -152,14 +139,6 @@ class _Tombstone:
     generation: int
     digest: str
     until: float
-
-
-@dataclass(frozen=True)
-class PushOutcome:
-    bytes: int
-    chunks: int
-    digest: str
-    duplicate: bool
 
 
 @dataclass(frozen=True)
@@ -679,114 +658,3 @@ def _check_id(model: str, handoff_id: str) -> None:
         raise MalformedRequest(
             f"a handoff_id must be 1..{MAX_HANDOFF_ID} printable characters, got {handoff_id[:64]!r}", model
         )
-
-
-class PushSession:
-    """One push stream's checks, chunk by chunk: name, bounds, overlap, checksum; then the whole at `finish`."""
-
-    def __init__(
-        self,
-        store: Store,
-        contract: Contract,
-        key: HandoffKey,
-        spans: list[TensorSpans] | None = None,
-        received: list[tuple[int, int, int, int]] | None = None,
-    ) -> None:
-        self.store = store
-        self.contract = contract
-        self.key = key
-        self._spans = spans if spans is not None else [TensorSpans(contract.model, c) for c in contract.carried]
-        self._received = received if received is not None else []
-
-    def add(self, chunk: ChunkFrame) -> None:
-        index = self.contract.index(chunk.tensor)
-        length = len(chunk.data)
-        self._spans[index].add(chunk.offset, length)
-        if crc32c(chunk.data) != chunk.crc32c:
-            raise BadChunk(self.contract.model, chunk.tensor, chunk.offset, length, "fails its CRC32C on arrival")
-        self._received.append((index, chunk.offset, length, chunk.crc32c))
-        self._keep(StoredChunk(index, chunk.offset, length, chunk.crc32c, chunk.frame, chunk.data))
-
-    @property
-    def complete(self) -> bool:
-        return all(spans.complete for spans in self._spans)
-
-    def finish(self) -> PushOutcome:
-        """The stream closed cleanly: every tensor whole, then the hand-off committed (or matched)."""
-        for spans in self._spans:
-            spans.check_complete()
-        return self._finish(handoff_digest(self._received))
-
-    def abort(self) -> None:
-        """The push was refused: keep nothing."""
-
-    def suspend(self) -> None:
-        """The push's stream broke: keep nothing, unless the push is resumable."""
-        self.abort()
-
-    def _keep(self, chunk: StoredChunk) -> None:
-        raise NotImplementedError
-
-    def _finish(self, digest: str) -> PushOutcome:
-        raise NotImplementedError
-
-
-class _NewPush(PushSession):
-    """A push of an id the broker does not hold: its chunks are kept (and fed to a pipelined puller at once), and
-    become a complete hand-off at `finish`."""
-
-    def __init__(self, store: Store, contract: Contract, key: HandoffKey, entry: _Entry) -> None:
-        # The checks so far live on the entry, so a resumed push's session continues them.
-        super().__init__(store, contract, key, entry.spans, entry.received)
-        self.entry = entry
-
-    def _keep(self, chunk: StoredChunk) -> None:
-        self.store._append(self, chunk)
-
-    def suspend(self) -> None:
-        self.store._suspend(self)
-
-    def _finish(self, digest: str) -> PushOutcome:
-        self.store._commit(self, digest)
-        return PushOutcome(self.contract.nbytes, len(self._received), digest, duplicate=False)
-
-    def abort(self) -> None:
-        self.store._abort(self)
-
-
-class _RepeatPush(PushSession):
-    """A push of an id already held or already delivered: a retry must repeat it exactly, and then changes nothing.
-
-    Against a held hand-off every byte is compared; against a delivered one (its bytes are gone) the digest is.
-    """
-
-    def __init__(
-        self, store: Store, contract: Contract, key: HandoffKey, held: _Entry | None = None, delivered_digest: str = ""
-    ) -> None:
-        super().__init__(store, contract, key)
-        # Taken now: if the held hand-off is confirmed meanwhile, these lists stay whole for the comparison.
-        self._starts = held.starts if held is not None else None
-        self._stored = held.by_tensor if held is not None else None
-        self._want = held.digest if held is not None else delivered_digest
-
-    def _keep(self, chunk: StoredChunk) -> None:
-        if self._stored is None or self._starts is None:
-            return
-        starts, stored = self._starts[chunk.index], self._stored[chunk.index]
-        offset, data = chunk.offset, chunk.data
-        at = max(bisect.bisect_right(starts, offset) - 1, 0)
-        end = offset + len(data)
-        while at < len(stored) and stored[at].offset < end:
-            held = stored[at]
-            lo, hi = max(offset, held.offset), min(end, held.offset + held.length)
-            if lo < hi and data[lo - offset : hi - offset] != held.data[lo - held.offset : hi - held.offset]:
-                model, handoff_id = self.key
-                name = self.contract.carried[chunk.index].name
-                raise HandoffExists(model, handoff_id, f"differs in `{name}` within bytes {lo}..{hi}")
-            at += 1
-
-    def _finish(self, digest: str) -> PushOutcome:
-        if self._stored is None and digest != self._want:
-            model, handoff_id = self.key
-            raise HandoffExists(model, handoff_id, "was delivered with different content (or chunking)")
-        return PushOutcome(self.contract.nbytes, len(self._received), self._want, duplicate=True)
