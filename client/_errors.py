@@ -21,6 +21,7 @@
     ├── DeadlineExceeded                                                                 DEADLINE_EXCEEDED
     │   └── WaitTimedOut              the hand-off did not come in time
     ├── CapacityExhausted             no room for the hand-off's bytes now               RESOURCE_EXHAUSTED
+    ├── MessageTooLarge               a message over the broker's limit                  RESOURCE_EXHAUSTED
     ├── BrokerUnavailable             the broker cannot be reached                       UNAVAILABLE
     │   └── Draining                  the broker is shutting down; go elsewhere
     ├── CallCancelled                                                                    CANCELLED
@@ -319,6 +320,21 @@ class CapacityExhausted(HandoffError):
             asked=asked,
             free=free,
             capacity=capacity,
+        )
+
+
+class MessageTooLarge(HandoffError):
+    """A message larger than the broker accepts (--max-message-bytes): send smaller chunks."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "MESSAGE_TOO_LARGE"
+
+    def __init__(self, model: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"{model}: a message of {size} bytes is over the broker's limit of {limit}; send smaller chunks",
+            model=model,
+            size=size,
+            limit=limit,
         )
 
 

@@ -98,7 +98,8 @@ class Broker:
         self._metrics_server = None
         self.health = health.HealthServicer()
         options = [
-            ("grpc.max_receive_message_length", config.max_message_bytes),
+            # The transport's own bound, above the broker's checked limit so a breach gets a reasoned, counted status.
+            ("grpc.max_receive_message_length", 2 * config.max_message_bytes + (1 << 20)),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_concurrent_streams", config.max_streams_per_connection),
             ("grpc.keepalive_time_ms", int(config.keepalive_seconds * 1000)),
@@ -108,7 +109,7 @@ class Broker:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.so_reuseport", 0),  # a second broker on a taken port must fail, not silently share it
         ]
-        servicer = HandoffBrokerServicer(self.store, self.metrics)
+        servicer = HandoffBrokerServicer(self.store, self.metrics, config.max_message_bytes)
         interceptors = [AuthInterceptor(config.tokens, servicer._count_refusal)] if config.tokens else []
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="handoff-rpc"),

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import grpc
 from grpc_status import rpc_status
 
-from handoff_client._errors import HandoffError, InternalError, MalformedRequest, to_status
+from handoff_client._errors import HandoffError, InternalError, MalformedRequest, MessageTooLarge, to_status
 from handoff_client._frames import ChunkFrame
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import SERVICE, Malformed, contract_to_proto, decode_push_request, identity, message_classes
@@ -85,9 +85,10 @@ def _wait_budget(context: grpc.ServicerContext) -> float:
 class HandoffBrokerServicer:
     """The RPCs of handoff.v1.HandoffBroker."""
 
-    def __init__(self, store: Store, metrics: Metrics) -> None:
+    def __init__(self, store: Store, metrics: Metrics, max_message_bytes: int = 64 << 20) -> None:
         self.store = store
         self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
 
     def _model_label(self, model: str | None) -> str:
         """A model label from the fixed set served; anything a caller made up is "unknown" (bounded cardinality)."""
@@ -139,6 +140,8 @@ class HandoffBrokerServicer:
             try:
                 for message in requests:
                     if isinstance(message, ChunkFrame):
+                        if len(message.frame) > self.max_message_bytes:
+                            raise MessageTooLarge(header.model, len(message.frame), self.max_message_bytes)
                         session.add(message)
                     elif isinstance(message, Malformed):
                         raise MalformedRequest(message.why, header.model)

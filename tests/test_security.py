@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from certs import Authority
 from conftest import assert_same_bits, seeded_tensors
 from handoff_broker.auth import TokenTable, hash_token
-from handoff_client import BrokerUnavailable, HandoffClient, PermissionDenied, Unauthenticated
+from handoff_client import BrokerUnavailable, HandoffClient, MessageTooLarge, PermissionDenied, Unauthenticated
 from support import raises_handoff_error
 
 MODEL = "every-dtype"
@@ -141,15 +141,62 @@ def test_an_open_broker_says_so_at_start(start_broker, caplog):
     assert f"open: no TLS and no tokens; anyone who can reach {broker.address} may push" in caplog.text
 
 
-def test_a_message_over_the_limit_is_refused_and_the_broker_serves_on(start_broker, contracts):
+def test_a_message_over_the_limit_is_refused_counted_and_the_broker_serves_on(start_broker, contracts):
     broker = start_broker(max_message_bytes=64 << 10)
     with HandoffClient(broker.address, chunk_bytes=1 << 20, retry=_no_retry()) as big:
         contract = big.get_contract("demo-hybrid")
         error = raises_handoff_error(big.push, "demo-hybrid", "r", 1, seeded_tensors(contract))
-        assert error.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert isinstance(error, MessageTooLarge) and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "is over the broker's limit of 65536; send smaller chunks" in error.message
     with HandoffClient(broker.address, chunk_bytes=32 << 10) as small:
         round_trip(small, contracts)
     assert broker.store.stats().resident_bytes == 0
+    rejected = broker.registry.get_sample_value(
+        "handoff_rejections_total", {"model": "demo-hybrid", "reason": "MESSAGE_TOO_LARGE"}
+    )
+    assert rejected == 1
+
+
+def test_a_push_that_never_finishes_is_aborted_at_its_deadline(start_broker, contracts):
+    import threading
+
+    from support import chunk_frames, header_frame
+    from test_lifecycle import push_in_thread
+    from test_claims import wait_until
+
+    broker = start_broker(push_deadline=0.6)  # a slow drip of chunks keeps it from ever being idle
+    contract = contracts["demo-hybrid"]
+    frames = [header_frame(contract, "slow"), *chunk_frames(contract, seeded_tensors(contract), 4096)]
+
+    def drip():
+        for frame in frames:
+            yield frame
+            threading.Event().wait(0.05)
+
+    thread, outcome = push_in_thread(broker.address, drip())
+    wait_until(lambda: broker.store.stats().receiving == 1)
+    wait_until(lambda: broker.store.stats().receiving == 0, timeout=5)
+    thread.join(10)
+    assert outcome["error"].code is grpc.StatusCode.CANCELLED
+    assert broker.store.stats().resident_bytes == 0
+
+
+def test_streams_past_a_connections_limit_wait_and_other_clients_are_untouched(start_broker, contracts):
+    from support import open_channel, raw_pull
+
+    broker = start_broker(max_streams_per_connection=1)
+    with HandoffClient(broker.address) as prefill:
+        prefill.push("wide-attention", "big", 1, seeded_tensors(contracts["wide-attention"]))
+    with open_channel(broker.address) as channel:
+        waiting = raw_pull(channel, "wide-attention", "big", timeout=10)
+        next(waiting)  # this stream is open (flow control holds the rest): the connection's one stream
+        status = channel.unary_unary("/handoff.v1.HandoffBroker/GetStatus")
+        with pytest.raises(grpc.RpcError) as e:
+            status(b"", timeout=0.5)
+        assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        with HandoffClient(broker.address) as other:  # another connection is served as ever
+            round_trip(other, contracts)
+        waiting.cancel()
 
 
 def _no_retry():

@@ -126,6 +126,7 @@ EXAMPLES = [
     _errors.WaitTimedOut("m", "r", 1.5),
     _errors.CapacityExhausted("m", 10, 5, 8),
     _errors.PushAborted("m", "r"),
+    _errors.MessageTooLarge("m", 10, 8),
     _errors.Unauthenticated("no bearer token"),
     _errors.PermissionDenied("prefill-pool", "has roles prefill; PullHandoff needs decode"),
     _errors.Draining(),

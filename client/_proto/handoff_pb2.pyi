@@ -33,6 +33,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_ABORTED: _ClassVar[ErrorReason]
     UNAUTHENTICATED: _ClassVar[ErrorReason]
     PERMISSION_DENIED: _ClassVar[ErrorReason]
+    MESSAGE_TOO_LARGE: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 UNKNOWN_TENSOR: ErrorReason
 MISSING_TENSOR: ErrorReason
@@ -57,6 +58,7 @@ DIGEST_MISMATCH: ErrorReason
 PUSH_ABORTED: ErrorReason
 UNAUTHENTICATED: ErrorReason
 PERMISSION_DENIED: ErrorReason
+MESSAGE_TOO_LARGE: ErrorReason
 
 class Carried(_message.Message):
     __slots__ = ("name", "layer", "rows", "cols", "dtype")
