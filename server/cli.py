@@ -286,9 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-level",
-        default=os.environ.get("HANDOFF_LOG_LEVEL", "INFO"),
+        default=os.environ.get("HANDOFF_LOG_LEVEL"),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="[env HANDOFF_LOG_LEVEL]",
+        help="INFO for serve, WARNING for the other commands [env HANDOFF_LOG_LEVEL]",
     )
     parser.add_argument(
         "--log-format",
@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=args.log_level, handlers=[handler])
+    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    logging.basicConfig(level=level, handlers=[handler])
     return args.run(args)
 
 
