@@ -18,6 +18,7 @@ from ._client import (
     RetryPolicy,
 )
 from ._contract import Carried, Contract, Handoff, ManifestError
+from ._fleet import FleetClient
 from ._dtypes import DTYPES
 from ._errors import (
     AlreadyClaimed,
@@ -72,6 +73,7 @@ __all__ = [
     "DigestMismatch",
     "Draining",
     "FingerprintMismatch",
+    "FleetClient",
     "Handoff",
     "HandoffCancelled",
     "HandoffClient",

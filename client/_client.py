@@ -42,6 +42,7 @@ from ._errors import (
     UnknownHandoff,
     from_rpc_error,
 )
+from ._fleet import FleetClient, is_fleet, make_ticket, read_ticket
 from ._frames import ChunkFrame, crc32c, encode_chunk, handoff_digest
 from ._proto import handoff_pb2 as pb
 from ._wire import contract_from_proto, decode_pull_response, identity, message_classes, method_path
@@ -112,10 +113,21 @@ class PushResult:
     chunks: int
     digest: str
     duplicate: bool
+    ticket: str = ""
+    """Names the broker that holds the hand-off: pass it to the decoder, whose pull goes straight there."""
 
 
 class HandoffClient:
-    """A connection to one broker. Thread-safe: one client may serve many concurrent pushes and pulls."""
+    """A connection to one broker. Thread-safe: one client may serve many concurrent pushes and pulls.
+
+    A target that names several brokers — `"host1:50051,host2:50051"` or `"dns:///brokers.ns.svc:50051"` — makes a
+    FleetClient instead (_fleet.py), with the same methods: worker code does not change between one broker and fifty.
+    """
+
+    def __new__(cls, target: str, **options: object) -> HandoffClient:
+        if cls is HandoffClient and is_fleet(target):
+            return FleetClient(target, **options)  # type: ignore[return-value]
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -252,7 +264,10 @@ class HandoffClient:
             return self._call(self._push, frames, remaining)
 
         response = self._with_retries(attempt, retryable_push, timeout)
-        return PushResult(response.handoff_id, response.bytes, response.chunks, response.digest, response.duplicate)
+        ticket = make_ticket(self.target, model, handoff_id, contract.fingerprint)
+        return PushResult(
+            response.handoff_id, response.bytes, response.chunks, response.digest, response.duplicate, ticket
+        )
 
     def push_progress(self, model: str, handoff_id: str, *, timeout: float | None = None) -> pb.PushProgress:
         """Which bytes of a push under way, or broken and kept, the broker holds."""
@@ -281,8 +296,17 @@ class HandoffClient:
 
     # -- decode side --------------------------------------------------------------------------------------------------
 
-    def pull(self, model: str, handoff_id: str, *, timeout: float | None = None) -> Handoff:
-        """Claim the hand-off (waiting up to `timeout` for its push), receive it whole, verify it, confirm it."""
+    def pull(self, model: str, handoff_id: str, *, timeout: float | None = None, ticket: str | None = None) -> Handoff:
+        """Claim the hand-off (waiting up to `timeout` for its push), receive it whole, verify it, confirm it.
+
+        A `ticket` (from the push) is checked to name this hand-off and this contract."""
+        if ticket is not None:
+            fields = read_ticket(ticket)
+            if (fields["m"], fields["i"]) != (model, handoff_id):
+                raise MalformedRequest(f"the ticket is for {fields['m']}/{fields['i']}, not {model}/{handoff_id}")
+            contract = self.get_contract(model)
+            if fields["f"] != contract.fingerprint:
+                raise FingerprintMismatch(model, contract.fingerprint, fields["f"])
 
         attempts = _PullAttempts(self, model, handoff_id)
         return self._with_retries(attempts.run, attempts.retryable, timeout)

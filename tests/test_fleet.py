@@ -1,0 +1,102 @@
+"""Three brokers serving as one: rendezvous placement spreads hand-offs and both sides agree without talking;
+tickets lead a decoder straight to the broker; a broker that dies loses only what it held, and says so; a broker
+that drains takes no new work."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from conftest import assert_same_bits, seeded_tensors
+from handoff_client import BrokerUnavailable, FleetClient, HandoffClient, MalformedRequest, WaitTimedOut
+from handoff_client._fleet import make_ticket, read_ticket, rendezvous
+
+MODEL = "every-dtype"
+
+
+@pytest.fixture
+def fleet(start_broker):
+    return [start_broker() for _ in range(3)]
+
+
+def target(brokers) -> str:
+    return ",".join(b.address for b in brokers)
+
+
+def test_hand_offs_spread_over_every_broker_and_are_pulled_without_tickets(fleet, contracts):
+    tensors = seeded_tensors(contracts[MODEL])
+    with HandoffClient(target(fleet)) as prefill, HandoffClient(target(fleet)) as decode:
+        assert isinstance(prefill, FleetClient)
+        for i in range(30):
+            prefill.push(MODEL, f"r{i}", 1, tensors)
+        held = Counter({b.address: b.store.stats().ready for b in fleet})
+        print("hand-offs per broker:", dict(held))
+        assert sum(held.values()) == 30 and all(n > 0 for n in held.values())
+        for i in range(30):
+            assert_same_bits(decode.pull(MODEL, f"r{i}").state, tensors)
+    assert all(b.store.stats().resident_bytes == 0 for b in fleet)
+
+
+def test_both_sides_agree_on_the_broker_from_the_set_alone(fleet):
+    addresses = [b.address for b in fleet]
+    assert rendezvous(addresses, MODEL, "r") == rendezvous(list(reversed(addresses)), MODEL, "r")
+    first = {rendezvous(addresses, MODEL, f"r{i}")[0] for i in range(50)}
+    assert first == set(addresses)
+
+
+def test_a_ticket_leads_the_decoder_straight_to_its_broker(fleet, contracts):
+    tensors = seeded_tensors(contracts[MODEL])
+    with HandoffClient(target(fleet)) as prefill, HandoffClient(target(fleet)) as decode:
+        result = prefill.push(MODEL, "t", 1, tensors)
+        holder = rendezvous([b.address for b in fleet], MODEL, "t")[0]
+        assert read_ticket(result.ticket) == {"b": holder, "m": MODEL, "i": "t", "f": contracts[MODEL].fingerprint}
+        assert_same_bits(decode.pull(MODEL, "t", ticket=result.ticket).state, tensors)
+        with pytest.raises(MalformedRequest, match="is not a hand-off ticket"):
+            decode.pull(MODEL, "t", ticket="garbage")
+        with pytest.raises(MalformedRequest, match="the ticket is for every-dtype/t, not every-dtype/u"):
+            decode.pull(MODEL, "u", ticket=result.ticket)
+
+
+def test_a_dead_broker_loses_only_what_it_held_and_pullers_hear_which(fleet, contracts):
+    tensors = seeded_tensors(contracts[MODEL])
+    with HandoffClient(target(fleet)) as prefill, HandoffClient(target(fleet), timeout=3) as decode:
+        tickets = {f"r{i}": prefill.push(MODEL, f"r{i}", 1, tensors).ticket for i in range(12)}
+        victim = fleet[0]
+        lost = {i for i in tickets if rendezvous([b.address for b in fleet], MODEL, i)[0] == victim.address}
+        victim.stop(grace=0)
+        for handoff_id, ticket in tickets.items():
+            if handoff_id in lost:
+                with pytest.raises(BrokerUnavailable, match=f"broker {victim.address}"):
+                    decode.pull(MODEL, handoff_id, ticket=ticket, timeout=2)
+            else:
+                assert_same_bits(decode.pull(MODEL, handoff_id, timeout=3).state, tensors)
+        # New work goes around the dead broker, and is found there by the same hashing.
+        for i in range(6):
+            prefill.push(MODEL, f"after{i}", 1, tensors)
+            assert_same_bits(decode.pull(MODEL, f"after{i}", timeout=3).state, tensors)
+
+
+def test_a_draining_broker_gets_no_new_work(fleet, contracts):
+    tensors = seeded_tensors(contracts[MODEL])
+    draining = fleet[1]
+    draining.store.drain()
+    with HandoffClient(target(fleet)) as prefill, HandoffClient(target(fleet)) as decode:
+        for i in range(12):
+            prefill.push(MODEL, f"d{i}", 1, tensors)
+        assert draining.store.stats().ready == 0
+        for i in range(12):
+            assert_same_bits(decode.pull(MODEL, f"d{i}", timeout=3).state, tensors)
+
+
+def test_a_pull_for_a_hand_off_nobody_pushed_times_out(fleet):
+    with HandoffClient(target(fleet)) as decode:
+        with pytest.raises(WaitTimedOut):
+            decode.pull(MODEL, "never", timeout=1)
+
+
+def test_a_single_broker_client_checks_its_ticket_too(broker, contracts):
+    with HandoffClient(broker.address) as client:
+        result = client.push(MODEL, "r", 1, seeded_tensors(contracts[MODEL]))
+        assert result.ticket == make_ticket(broker.address, MODEL, "r", contracts[MODEL].fingerprint)
+        client.pull(MODEL, "r", ticket=result.ticket)
