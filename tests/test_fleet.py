@@ -100,3 +100,12 @@ def test_a_single_broker_client_checks_its_ticket_too(broker, contracts):
         result = client.push(MODEL, "r", 1, seeded_tensors(contracts[MODEL]))
         assert result.ticket == make_ticket(broker.address, MODEL, "r", contracts[MODEL].fingerprint)
         client.pull(MODEL, "r", ticket=result.ticket)
+
+
+def test_a_dns_name_is_resolved_to_the_broker_set(broker, contracts):
+    tensors = seeded_tensors(contracts[MODEL])
+    with HandoffClient(f"dns:///localhost:{broker.port}") as client:
+        assert isinstance(client, FleetClient)
+        assert f"127.0.0.1:{broker.port}" in client._set.brokers()
+        client.push(MODEL, "via-dns", 1, tensors)
+        assert_same_bits(client.pull(MODEL, "via-dns", timeout=5).state, tensors)
