@@ -42,7 +42,7 @@ from ._errors import (
     UnknownHandoff,
     from_rpc_error,
 )
-from ._fleet import FleetClient, is_fleet, make_ticket, read_ticket
+from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
 from ._frames import ChunkFrame, crc32c, encode_chunk, handoff_digest
 from ._proto import handoff_pb2 as pb
 from ._wire import contract_from_proto, decode_pull_response, identity, message_classes, method_path
@@ -301,9 +301,7 @@ class HandoffClient:
 
         A `ticket` (from the push) is checked to name this hand-off and this contract."""
         if ticket is not None:
-            fields = read_ticket(ticket)
-            if (fields["m"], fields["i"]) != (model, handoff_id):
-                raise MalformedRequest(f"the ticket is for {fields['m']}/{fields['i']}, not {model}/{handoff_id}")
+            fields = ticket_for(ticket, model, handoff_id)
             contract = self.get_contract(model)
             if fields["f"] != contract.fingerprint:
                 raise FingerprintMismatch(model, contract.fingerprint, fields["f"])

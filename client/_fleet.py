@@ -48,6 +48,14 @@ def make_ticket(broker: str, model: str, handoff_id: str, fingerprint: str) -> s
     return TICKET_PREFIX + base64.urlsafe_b64encode(body.encode()).decode().rstrip("=")
 
 
+def ticket_for(ticket: str, model: str, handoff_id: str) -> dict[str, str]:
+    """What a ticket names, refused unless it is this hand-off's."""
+    fields = read_ticket(ticket)
+    if (fields["m"], fields["i"]) != (model, handoff_id):
+        raise MalformedRequest(f"the ticket is for {fields['m']}/{fields['i']}, not {model}/{handoff_id}")
+    return fields
+
+
 def read_ticket(ticket: str) -> dict[str, str]:
     """The broker, model, id and fingerprint a ticket names; MalformedRequest for anything else."""
     try:
@@ -177,9 +185,7 @@ class FleetClient:
         at the first that answers."""
         timeout = self.timeout if timeout is None else timeout
         if ticket is not None:
-            fields = read_ticket(ticket)
-            if (fields["m"], fields["i"]) != (model, handoff_id):
-                raise MalformedRequest(f"the ticket is for {fields['m']}/{fields['i']}, not {model}/{handoff_id}")
+            fields = ticket_for(ticket, model, handoff_id)
             try:
                 return self._client(fields["b"]).pull(model, handoff_id, timeout=timeout, ticket=ticket)
             except HandoffError as e:
