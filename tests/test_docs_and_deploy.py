@@ -75,3 +75,23 @@ def test_the_compose_file_is_well_formed_and_its_commands_parse():
         assert (ROOT / mount.split(":")[0]).exists(), mount
     provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/handoff-broker.yml").read_text())
     assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_the_kubernetes_manifests_parse_and_agree_with_the_cli():
+    from handoff_broker.cli import _parse_bytes
+
+    documents = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/broker.yaml").read_text()))
+    kinds = {d["kind"]: d for d in documents}
+    assert set(kinds) == {"Service", "StatefulSet", "PodMonitor"}
+    service, stateful, monitor = kinds["Service"], kinds["StatefulSet"], kinds["PodMonitor"]
+    assert service["spec"]["clusterIP"] == "None"  # headless: DNS lists every pod, for dns:/// clients
+    container = stateful["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["args"])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (args.command, ports) == ("serve", {"grpc": args.port, "metrics": args.metrics_port})
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
+    assert container["readinessProbe"]["grpc"]["port"] == args.port == container["livenessProbe"]["grpc"]["port"]
+    limit = _parse_bytes(container["resources"]["limits"]["memory"].replace("Gi", "GiB"))
+    assert args.max_bytes < limit <= args.max_bytes + (4 << 30)  # the hand-offs, plus room for the broker itself
+    assert stateful["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > args.grace
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
