@@ -173,8 +173,9 @@ class Broker:
     def stop(self, grace: float = 5.0) -> StoreStats:
         """Drain, give streams in flight `grace` seconds, stop; the stats of what was still held.
 
-        While draining the server still takes calls, so a decoder whose stream is finishing can confirm; new pushes
-        and claims get UNAVAILABLE (DRAINING) and health says NOT_SERVING, so clients and probes go elsewhere.
+        While draining the server still takes calls: new pushes, and pulls of hand-offs it does not hold, get
+        UNAVAILABLE (DRAINING) and health says NOT_SERVING, so clients and probes go elsewhere; pushes in flight
+        finish, and decoders pull and confirm what it holds. It stops when it is empty or `grace` has passed.
         """
         self.health.enter_graceful_shutdown()
         self.store.drain()

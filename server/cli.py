@@ -27,8 +27,9 @@ def _parse_bytes(text: str) -> int:
     return int(lowered)
 
 
-SERVE_HELP = """Run the broker until SIGTERM or SIGINT, then drain: new pushes and claims get UNAVAILABLE, streams in
-flight get --grace seconds, and the last log line counts what was still held.
+SERVE_HELP = """Run the broker until SIGTERM or SIGINT, then drain for up to --grace seconds: new pushes, and pulls of
+hand-offs it does not hold, get UNAVAILABLE; streams in flight finish and what it holds can still be pulled; it stops
+when empty or at the end of the grace, and the last log line counts what was still held.
 
 Every flag may also be set in the environment (--max-bytes as HANDOFF_MAX_BYTES, and so on) or in a TOML file given
 by --config (max-bytes = "16GiB"); the command line wins over the environment, which wins over the file."""

@@ -207,16 +207,17 @@ class Store:
             self._sweeper.join()
 
     def drain(self) -> None:
-        """Take no new pushes or claims; what is in flight goes on."""
+        """Take no new pushes, and no pulls of hand-offs not held; what is in flight, and pulls of what is held,
+        go on (so a draining broker of a fleet hands over what it holds before it exits)."""
         with self._lock:
             self._draining = True
             self._changed.notify_all()
 
     def settled(self, timeout: float) -> bool:
-        """Wait up to `timeout` s until no push is under way and no claim awaits its stream's end or its confirm."""
+        """Wait up to `timeout` s until the store is empty: pushes under way finished, hand-offs held pulled."""
         deadline = self._clock() + timeout
         with self._lock:
-            while any(not e.committed or e.claimed for e in self._entries.values()):
+            while self._entries:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     return False
@@ -428,9 +429,9 @@ class Store:
         stale: list[Interrupt] = []
         with self._lock:
             while True:
-                if self._draining:
-                    raise Draining()
                 entry = self._entries.get(key)
+                if self._draining and entry is None:
+                    raise Draining()  # not here, and never will be: ask another broker
                 if entry is not None and entry.claimed and supersedes and entry.generation == supersedes:
                     logger.info("claim %d on %s/%s superseded by its own retry", supersedes, model, handoff_id)
                     stale = self._unclaim(entry)

@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_same_bits, seeded_tensors
 from handoff_client import BrokerUnavailable, FleetClient, HandoffClient, MalformedRequest, WaitTimedOut
 from handoff_client._fleet import make_ticket, read_ticket, rendezvous
+from test_claims import wait_until
 
 MODEL = "every-dtype"
 
@@ -77,16 +78,28 @@ def test_a_dead_broker_loses_only_what_it_held_and_pullers_hear_which(fleet, con
             assert_same_bits(decode.pull(MODEL, f"after{i}", timeout=3).state, tensors)
 
 
-def test_a_draining_broker_gets_no_new_work(fleet, contracts):
+def test_a_draining_broker_gets_no_new_work_and_its_hand_offs_are_pulled_before_it_exits(fleet, contracts):
+    import threading
+
     tensors = seeded_tensors(contracts[MODEL])
     draining = fleet[1]
-    draining.store.drain()
     with HandoffClient(target(fleet)) as prefill, HandoffClient(target(fleet)) as decode:
         for i in range(12):
-            prefill.push(MODEL, f"d{i}", 1, tensors)
-        assert draining.store.stats().ready == 0
+            prefill.push(MODEL, f"held{i}", 1, tensors)
+        held = draining.store.stats().ready
+        assert held > 0
+        stopping = threading.Thread(target=lambda: outcome.update(stats=draining.stop(grace=20)))
+        outcome: dict = {}
+        stopping.start()
+        wait_until(lambda: draining.store.stats().draining)
         for i in range(12):
-            assert_same_bits(decode.pull(MODEL, f"d{i}", timeout=3).state, tensors)
+            prefill.push(MODEL, f"new{i}", 1, tensors)
+        assert draining.store.stats().ready == held  # no new work
+        for i in range(12):
+            assert_same_bits(decode.pull(MODEL, f"held{i}", timeout=3).state, tensors)
+            assert_same_bits(decode.pull(MODEL, f"new{i}", timeout=3).state, tensors)
+        stopping.join(20)
+    assert outcome["stats"].resident_bytes == 0  # everything it held was pulled before it exited
 
 
 def test_a_pull_for_a_hand_off_nobody_pushed_times_out(fleet):

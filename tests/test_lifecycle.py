@@ -244,27 +244,31 @@ def test_a_push_that_sends_nothing_is_aborted_after_the_idle_timeout(start_broke
     assert_holds_nothing(broker)
 
 
-def test_drain_refuses_new_work_and_lets_streams_in_flight_finish(start_broker, contracts):
+def test_drain_refuses_new_work_and_hands_over_what_it_holds_before_it_stops(start_broker, contracts):
     broker = start_broker()
     tensors = seeded_tensors(contracts["wide-attention"])
+    unclaimed = seeded_tensors(contracts[DEMO])
     with HandoffClient(broker.address) as client, open_channel(broker.address) as channel:
         client.push("wide-attention", "r", 1, tensors)
-        client.push(DEMO, "unclaimed", 1, seeded_tensors(contracts[DEMO]))
+        client.push(DEMO, "unclaimed", 1, unclaimed)
+        client.push(DEMO, "left-behind", 1, unclaimed)
         stream = raw_pull(channel, "wide-attention", "r")
         header = next(stream)
-        stopping = threading.Thread(target=lambda: result.update(stats=broker.stop(grace=10)))
+        stopping = threading.Thread(target=lambda: result.update(stats=broker.stop(grace=3)))
         result: dict = {}
         stopping.start()
         wait_until(lambda: broker.health._server_status.get("") == 2)  # NOT_SERVING
-        error = raises_handoff_error(client.push, DEMO, "new", 1, seeded_tensors(contracts[DEMO]))
+        error = raises_handoff_error(client.push, DEMO, "new", 1, unclaimed)
         assert isinstance(error, BrokerUnavailable) and error.reason == "DRAINING"
-        assert isinstance(raises_handoff_error(client.pull, DEMO, "unclaimed", timeout=2), BrokerUnavailable)
+        error = raises_handoff_error(client.pull, DEMO, "not-here", timeout=2)
+        assert isinstance(error, BrokerUnavailable) and error.reason == "DRAINING"  # go to another broker
+        assert_same_bits(client.pull(DEMO, "unclaimed").state, unclaimed)  # what it holds is still handed over
         messages = list(stream)  # the stream in flight runs to its end ...
         assert isinstance(messages[-1], pb.PullEnd)
         client._confirm_claim("wide-attention", "r", header.claim, 5)  # ... and its decoder can still confirm
         stopping.join(15)
     stats = result["stats"]
-    assert (stats.ready, stats.claimed, stats.receiving) == (1, 0, 0)  # what was left is counted
+    assert (stats.ready, stats.claimed, stats.receiving) == (1, 0, 0)  # nobody came for it: counted at the end
 
 
 # -- retries ------------------------------------------------------------------------------------------------------
