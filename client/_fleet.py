@@ -7,8 +7,9 @@ score order. A push returns a ticket naming its broker; a decoder that has it (t
 proxy passes kv_transfer_params) pulls from that broker directly. Without one, a pull asks the first few brokers in
 score order briefly before it waits at the first that answers.
 
-The set is a comma-separated list of host:port, or `dns:///name:port`, re-resolved every `refresh` seconds (a
-Kubernetes headless Service gives every pod's address).
+The set is a comma-separated list of host:port; `dns:///name:port`, re-resolved every `refresh` seconds (a
+Kubernetes headless Service gives every pod's address); or `etcd://host:port/prefix`, the brokers registered there
+with leases (server/registry.py), listed every `refresh` seconds through etcd's HTTP/JSON gateway.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 import socket
 import threading
 import time
+import urllib.request
+from urllib.parse import urlparse
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -33,8 +36,12 @@ PROBED = 3
 
 
 def is_fleet(target: str) -> bool:
-    """Whether a target names several brokers (a list, or a DNS name to resolve) rather than one."""
-    return "," in target or target.startswith("dns:///")
+    """Whether a target names several brokers (a list, a DNS name, an etcd prefix) rather than one."""
+    return "," in target or target.startswith(("dns:///", "etcd://"))
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
 
 
 def rendezvous(brokers: list[str], model: str, handoff_id: str) -> list[str]:
@@ -71,27 +78,48 @@ def read_ticket(ticket: str) -> dict[str, str]:
 
 
 class BrokerSet:
-    """The live list of brokers: static, or re-resolved from DNS."""
+    """The live list of brokers: static, re-resolved from DNS, or listed from an etcd prefix."""
 
     def __init__(self, target: str, refresh: float = 5.0) -> None:
+        self._etcd = target if target.startswith("etcd://") else None
         self._dns = target[len("dns:///") :] if target.startswith("dns:///") else None
-        self._static = [t.strip() for t in target.split(",") if t.strip()] if self._dns is None else []
+        dynamic = self._dns is not None or self._etcd is not None
+        self._static = [t.strip() for t in target.split(",") if t.strip()] if not dynamic else []
         self._refresh = refresh
         self._resolved: list[str] = []
         self._at = 0.0
         self._lock = threading.Lock()
 
     def brokers(self) -> list[str]:
-        if self._dns is None:
+        if self._dns is None and self._etcd is None:
             return list(self._static)
         with self._lock:
-            if not self._resolved or time.monotonic() - self._at >= self._refresh:
-                host, _, port = self._dns.rpartition(":")
-                infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-                addresses = {info[4][0] for info in infos}
-                self._resolved = sorted(f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addresses)
+            if not self._at or time.monotonic() - self._at >= self._refresh:
+                self._resolved = self._etcd_members() if self._etcd else self._dns_members()
                 self._at = time.monotonic()
             return list(self._resolved)
+
+    def _dns_members(self) -> list[str]:
+        host, _, port = (self._dns or "").rpartition(":")
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        addresses = {info[4][0] for info in infos}
+        return sorted(f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addresses)
+
+    def _etcd_members(self) -> list[str]:
+        """The addresses registered under the prefix, through etcd's HTTP/JSON gateway (v3 range)."""
+        parsed = urlparse(self._etcd or "")
+        prefix = (parsed.path.strip("/") or "handoff") + "/"
+        end = prefix[:-1] + chr(ord("/") + 1)  # every key that starts with the prefix
+        body = json.dumps({"key": _b64(prefix), "range_end": _b64(end)}).encode()
+        request = urllib.request.Request(
+            f"http://{parsed.netloc}/v3/kv/range", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=3) as response:
+                kvs = json.loads(response.read()).get("kvs", [])
+        except OSError as e:
+            raise BrokerUnavailable._rebuild(f"etcd at {parsed.netloc} cannot be read: {e}", {}) from None
+        return sorted(base64.b64decode(kv["value"]).decode() for kv in kvs)
 
 
 def named(broker: str, error: HandoffError) -> HandoffError:
@@ -143,8 +171,9 @@ class FleetClient:
         from ._client import DEFAULT_TIMEOUT
 
         self.target = target
+        refresh = float(options.pop("refresh", 5.0))  # type: ignore[arg-type]
         self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))  # type: ignore[arg-type]
-        self._set = BrokerSet(target)
+        self._set = BrokerSet(target, refresh)
         self._options = options
         self._clients: dict[str, object] = {}
         self._lock = threading.Lock()

@@ -25,6 +25,7 @@ from . import memory
 from .auth import AuthInterceptor, TokenTable
 from .contracts import default_contracts
 from .metrics import Metrics
+from .registry import EtcdRegistration
 from .service import HandoffBrokerServicer, rpc_handler
 from .store import Store, StoreConfig, StoreStats
 
@@ -69,6 +70,10 @@ class BrokerConfig:
     tls_client_ca: bytes | None = None
     tokens: TokenTable | None = None
     # Limits on what a client controls.
+    # Fleet membership: register in etcd (etcd://host:port/prefix) under the address clients should use.
+    etcd: str | None = None
+    advertise: str | None = None
+    etcd_lease: int = 5
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_streams_per_connection: int = 100
     push_deadline: float = 600.0
@@ -95,6 +100,7 @@ class Broker:
         )
         self.metrics.watch(self.store.stats)
         self.metrics_port: int | None = None
+        self.registration: EtcdRegistration | None = None
         self._metrics_server = None
         self.health = health.HealthServicer()
         options = [
@@ -152,6 +158,11 @@ class Broker:
         self.server.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.etcd:
+            self.registration = EtcdRegistration(
+                self.config.etcd, self.config.advertise or self.address, self.config.etcd_lease
+            )
+            self.registration.start()
         tls = "mutual TLS" if self.config.tls_client_ca else "TLS" if self.config.tls_cert else "no TLS"
         tokens = "bearer tokens" if self.config.tokens else "no tokens"
         if not self.config.tls_cert and not self.config.tokens:
@@ -177,6 +188,8 @@ class Broker:
         UNAVAILABLE (DRAINING) and health says NOT_SERVING, so clients and probes go elsewhere; pushes in flight
         finish, and decoders pull and confirm what it holds. It stops when it is empty or `grace` has passed.
         """
+        if self.registration is not None:
+            self.registration.stop(revoke=True)  # leave the fleet first: clients stop choosing this broker
         self.health.enter_graceful_shutdown()
         self.store.drain()
         self.store.settled(grace)

@@ -102,6 +102,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         max_streams_per_connection=args.max_streams_per_connection,
         push_deadline=args.push_deadline,
+        etcd=args.etcd,
+        advertise=args.advertise,
+        etcd_lease=args.etcd_lease,
         host=args.host,
         port=args.port,
         contracts=contracts,
@@ -328,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="concurrent streams one connection may open (100)")  # fmt: skip
     serve.add_argument("--push-deadline", type=float, default=600.0,
                        help="seconds a push may take from header to end before it is aborted (600)")  # fmt: skip
+    serve.add_argument("--etcd", metavar="URL", help="join a fleet: register in etcd://host:port/prefix with a lease")
+    serve.add_argument("--advertise", metavar="HOST:PORT", help="the address to register (default: --host:--port)")
+    serve.add_argument("--etcd-lease", type=int, default=5, help="seconds the etcd lease outlives a dead broker (5)")
     serve.add_argument("--keepalive", type=float, default=20.0, help="seconds between HTTP/2 pings on idle links (20)")
     serve.add_argument("--keepalive-timeout", type=float, default=10.0, help="seconds a ping may go unanswered (10)")
     serve.set_defaults(run=_serve)
