@@ -17,7 +17,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from certs import Authority
 from conftest import assert_same_bits, seeded_tensors
 from handoff_broker.auth import TokenTable, hash_token
-from handoff_client import BrokerUnavailable, HandoffClient, MessageTooLarge, PermissionDenied, Unauthenticated
+from handoff_client import (
+    NO_RETRY,
+    BrokerUnavailable,
+    HandoffClient,
+    MessageTooLarge,
+    PermissionDenied,
+    Unauthenticated,
+)
 from support import raises_handoff_error
 
 MODEL = "every-dtype"
@@ -44,10 +51,10 @@ def test_tls_serves_who_trusts_its_ca_and_refuses_plaintext(start_broker, pki, c
     broker = start_broker(tls_cert=pki["server"].cert, tls_key=pki["server"].key)
     with HandoffClient(broker.address, tls_root_certificates=pki["ca"].pem, tls_server_name="localhost") as client:
         round_trip(client, contracts)
-    with HandoffClient(broker.address, timeout=2, retry=_no_retry()) as plaintext:
+    with HandoffClient(broker.address, timeout=2, retry=NO_RETRY) as plaintext:
         assert isinstance(raises_handoff_error(plaintext.get_contract, MODEL), BrokerUnavailable)
     other = Authority("not the broker's CA")
-    with HandoffClient(broker.address, timeout=2, tls_root_certificates=other.pem, retry=_no_retry()) as doubting:
+    with HandoffClient(broker.address, timeout=2, tls_root_certificates=other.pem, retry=NO_RETRY) as doubting:
         assert isinstance(raises_handoff_error(doubting.get_contract, MODEL), BrokerUnavailable)
 
 
@@ -58,10 +65,10 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_its_ca(start_bro
                        **trusted) as client:  # fmt: skip
         round_trip(client, contracts)
     rogue = pki["rogue_client"]
-    with HandoffClient(broker.address, timeout=2, retry=_no_retry(), tls_certificate_chain=rogue.cert,
+    with HandoffClient(broker.address, timeout=2, retry=NO_RETRY, tls_certificate_chain=rogue.cert,
                        tls_private_key=rogue.key, **trusted) as impostor:  # fmt: skip
         assert isinstance(raises_handoff_error(impostor.get_contract, MODEL), BrokerUnavailable)
-    with HandoffClient(broker.address, timeout=2, retry=_no_retry(), **trusted) as anonymous:
+    with HandoffClient(broker.address, timeout=2, retry=NO_RETRY, **trusted) as anonymous:
         assert isinstance(raises_handoff_error(anonymous.get_contract, MODEL), BrokerUnavailable)
 
 
@@ -83,11 +90,11 @@ def test_tokens_decide_who_may_push_pull_and_read_status(start_broker, token_fil
     caplog.set_level(logging.DEBUG)
     broker = start_broker(tokens=TokenTable.load(token_file))
     address = broker.address
-    with HandoffClient(address, retry=_no_retry()) as nobody:
+    with HandoffClient(address, retry=NO_RETRY) as nobody:
         error = raises_handoff_error(nobody.get_contract, MODEL)
         assert isinstance(error, Unauthenticated) and error.code is grpc.StatusCode.UNAUTHENTICATED
         assert "no bearer token" in error.message
-    with HandoffClient(address, token="guessed", retry=_no_retry()) as guesser:
+    with HandoffClient(address, token="guessed", retry=NO_RETRY) as guesser:
         assert "an unknown bearer token" in raises_handoff_error(guesser.get_contract, MODEL).message
     tensors = seeded_tensors(contracts[MODEL])
     with (
@@ -143,7 +150,7 @@ def test_an_open_broker_says_so_at_start(start_broker, caplog):
 
 def test_a_message_over_the_limit_is_refused_counted_and_the_broker_serves_on(start_broker, contracts):
     broker = start_broker(max_message_bytes=64 << 10)
-    with HandoffClient(broker.address, chunk_bytes=1 << 20, retry=_no_retry()) as big:
+    with HandoffClient(broker.address, chunk_bytes=1 << 20, retry=NO_RETRY) as big:
         contract = big.get_contract("demo-hybrid")
         error = raises_handoff_error(big.push, "demo-hybrid", "r", 1, seeded_tensors(contract))
         assert isinstance(error, MessageTooLarge) and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -197,9 +204,3 @@ def test_streams_past_a_connections_limit_wait_and_other_clients_are_untouched(s
         with HandoffClient(broker.address) as other:  # another connection is served as ever
             round_trip(other, contracts)
         waiting.cancel()
-
-
-def _no_retry():
-    from handoff_client import NO_RETRY
-
-    return NO_RETRY
