@@ -27,19 +27,27 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 """What a model name may be: a Hugging Face repo id fits (`meta-llama/Llama-3.1-8B`); no spaces or control bytes."""
 
 
+OPTIONAL_FIELDS = frozenset({"heads", "head_dim"})
+"""Fields of a carried tensor a manifest may leave out: a tensor without heads is not split across TP ranks."""
+
+
 class ManifestError(ValueError):
     """A manifest that is not a contract; the message names the file and the field."""
 
 
 @dataclass(frozen=True)
 class Carried:
-    """One tensor a decode step carries: its name, its layer, its declared shape and element type."""
+    """One tensor a decode step carries: its name, its layer, its declared shape and element type, and how its
+    columns split into attention heads across tensor-parallel ranks (`heads` = 0: not split, every rank holds it
+    whole; see handoff_client/_shards.py)."""
 
     name: str
     layer: int
     rows: int
     cols: int
     dtype: str
+    heads: int = 0
+    head_dim: int = 0
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -143,10 +151,7 @@ class Contract:
             "model": self.model,
             "ctx": self.ctx,
             "hidden": self.hidden,
-            "carried": [
-                {"name": c.name, "layer": c.layer, "rows": c.rows, "cols": c.cols, "dtype": c.dtype}
-                for c in self.carried
-            ],
+            "carried": [_carried_json(c) for c in self.carried],
         }
 
     @classmethod
@@ -161,6 +166,13 @@ class Contract:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ManifestError(f"{path}: not a readable JSON manifest: {e}") from None
         return _parse_manifest(data, str(path))
+
+
+def _carried_json(c: Carried) -> dict:
+    entry: dict = {"name": c.name, "layer": c.layer, "rows": c.rows, "cols": c.cols, "dtype": c.dtype}
+    if c.heads:  # only when stated, so a contract without heads keeps the fingerprint it always had
+        entry.update(heads=c.heads, head_dim=c.head_dim)
+    return entry
 
 
 def check_array(model: str, carried: Carried, array: np.ndarray) -> None:
@@ -239,7 +251,7 @@ def _parse_manifest(data: object, source: str) -> Contract:
     def expect_keys(obj: object, where: str, keys: set[str]) -> dict:
         if not isinstance(obj, dict):
             raise fail(where, f"must be a JSON object, got {type(obj).__name__}")
-        if missing := sorted(keys - obj.keys()):
+        if missing := sorted(keys - obj.keys() - OPTIONAL_FIELDS):
             raise fail(where, f"lacks {', '.join(missing)}")
         if extra := sorted(obj.keys() - keys):
             raise fail(f"{where}.{extra[0]}", f"is not a contract field (fields: {', '.join(sorted(keys))})")
@@ -258,7 +270,7 @@ def _parse_manifest(data: object, source: str) -> Contract:
     seen: set[str] = set()
     for i, entry in enumerate(entries):
         where = f"carried[{i}]"
-        entry = expect_keys(entry, where, {"name", "layer", "rows", "cols", "dtype"})
+        entry = expect_keys(entry, where, {"name", "layer", "rows", "cols", "dtype", "heads", "head_dim"})
         name = entry["name"]
         if not isinstance(name, str) or not name or len(name) > 256:
             raise fail(f"{where}.name", f"must be a non-empty string of at most 256 characters, got {name!r}")
@@ -273,5 +285,11 @@ def _parse_manifest(data: object, source: str) -> Contract:
         dtype = entry["dtype"]
         if dtype not in DTYPES:
             raise fail(f"{where}.dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
-        carried.append(Carried(name, layer, rows, cols, dtype))
+        heads = head_dim = 0
+        if "heads" in entry or "head_dim" in entry:
+            heads = expect_int(entry, "heads", f"{where}.heads", 1)
+            head_dim = expect_int(entry, "head_dim", f"{where}.head_dim", 1)
+            if heads * head_dim != cols:
+                raise fail(f"{where}.heads", f"{heads} heads x head_dim {head_dim} must make its {cols} columns")
+        carried.append(Carried(name, layer, rows, cols, dtype, heads, head_dim))
     return Contract(model, ctx, hidden, tuple(carried))

@@ -7,6 +7,8 @@
     │   ├── WrongLength               a carried tensor of the wrong size (seed: Length)
     │   ├── WrongLayout               right size, wrong shape or dtype (refused, never cast)
     │   ├── BadChunk                  past its tensor's end, overlapping, or failing its checksum
+    │   ├── NotInShard                a sharded push sends what another rank sends
+    │   ├── ShardLayout               a rank past the TP size, or heads the TP size cannot share
     │   └── PositionOutOfRange        position >= ctx (seed: Position)                   OUT_OF_RANGE
     ├── MalformedRequest              no header, two headers, an empty id                INVALID_ARGUMENT
     ├── NotFound                                                                         NOT_FOUND
@@ -17,7 +19,8 @@
     ├── Precondition                                                                     FAILED_PRECONDITION
     │   ├── FingerprintMismatch       the two sides hold different contracts
     │   ├── AlreadyClaimed            another decode worker holds the claim
-    │   └── StaleClaim                a confirm from a superseded claim
+    │   ├── StaleClaim                a confirm from a superseded claim
+    │   └── ShardMismatch             a TP size other than the hand-off's other ranks use
     ├── DeadlineExceeded                                                                 DEADLINE_EXCEEDED
     │   └── WaitTimedOut              the hand-off did not come in time
     ├── CapacityExhausted             no room for the hand-off's bytes now               RESOURCE_EXHAUSTED
@@ -161,6 +164,30 @@ class BadChunk(ContractViolation):
         )
 
 
+class NotInShard(ContractViolation):
+    """A sharded push sends a tensor, or heads of one, that belong to another rank's push."""
+
+    reason = "NOT_IN_SHARD"
+
+    def __init__(self, model: str, tensor: str, rank: int, size: int, why: str) -> None:
+        super().__init__(
+            f"{model}: `{tensor}` is not rank {rank} of {size}'s to push: {why}",
+            model=model,
+            tensor=tensor,
+            rank=rank,
+            size=size,
+        )
+
+
+class ShardLayout(ContractViolation):
+    """A shard that cannot be cut: a rank not below the TP size, or heads that the TP size cannot share."""
+
+    reason = "SHARD_LAYOUT"
+
+    def __init__(self, model: str, why: str, tensor: str | None = None) -> None:
+        super().__init__(f"{model}: {why}", model=model, tensor=tensor)
+
+
 class PositionOutOfRange(ContractViolation):
     """A position whose next token's row the cache does not have (position >= ctx)."""
 
@@ -264,9 +291,9 @@ class AlreadyClaimed(Precondition):
 
     reason = "ALREADY_CLAIMED"
 
-    def __init__(self, model: str, handoff_id: str) -> None:
+    def __init__(self, model: str, handoff_id: str, part: str = "") -> None:
         super().__init__(
-            f"{model}: hand-off `{handoff_id}` is claimed by another decode worker",
+            f"{model}: hand-off `{handoff_id}`{f' ({part})' if part else ''} is claimed by another decode worker",
             model=model,
             handoff_id=handoff_id,
         )
@@ -283,6 +310,22 @@ class StaleClaim(Precondition):
             model=model,
             handoff_id=handoff_id,
             claim=claim,
+        )
+
+
+class ShardMismatch(Precondition):
+    """A push or pull at a TP size other than the one the hand-off's other ranks use."""
+
+    reason = "SHARD_MISMATCH"
+
+    def __init__(self, model: str, handoff_id: str, side: str, have: int, got: int) -> None:
+        super().__init__(
+            f"{model}: hand-off `{handoff_id}` is {side} at TP size {have}, not {got}; every rank of one "
+            f"hand-off's {'push' if side == 'pushed' else 'pull'} uses the same TP size",
+            model=model,
+            handoff_id=handoff_id,
+            have=have,
+            got=got,
         )
 
 
@@ -374,10 +417,10 @@ class PushAborted(HandoffError):
     code = grpc.StatusCode.ABORTED
     reason = "PUSH_ABORTED"
 
-    def __init__(self, model: str, handoff_id: str) -> None:
+    def __init__(self, model: str, handoff_id: str, why: str | None = None) -> None:
         super().__init__(
-            f"{model}: the push of hand-off `{handoff_id}` failed or was replaced while it streamed; "
-            "discard what arrived and pull again",
+            f"{model}: the push of hand-off `{handoff_id}` "
+            + (why or "failed or was replaced while it streamed; discard what arrived and pull again"),
             model=model,
             handoff_id=handoff_id,
         )

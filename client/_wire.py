@@ -37,14 +37,17 @@ def contract_to_proto(contract: Contract) -> pb.Contract:
         ctx=contract.ctx,
         hidden=contract.hidden,
         carried=[
-            pb.Carried(name=c.name, layer=c.layer, rows=c.rows, cols=c.cols, dtype=c.dtype) for c in contract.carried
+            pb.Carried(
+                name=c.name, layer=c.layer, rows=c.rows, cols=c.cols, dtype=c.dtype, heads=c.heads, head_dim=c.head_dim
+            )
+            for c in contract.carried
         ],
         fingerprint=contract.fingerprint,
     )
 
 
 def contract_from_proto(message: pb.Contract) -> Contract:
-    carried = tuple(Carried(c.name, c.layer, c.rows, c.cols, c.dtype) for c in message.carried)
+    carried = tuple(Carried(c.name, c.layer, c.rows, c.cols, c.dtype, c.heads, c.head_dim) for c in message.carried)
     return Contract(message.model, message.ctx, message.hidden, carried)
 
 

@@ -57,8 +57,10 @@ class _Layers:
         self.options = options
         self.carried: list[Carried] = []
 
-    def cache(self, name: str, layer: int, rows: int, cols: int) -> None:
-        self.carried.append(Carried(name, layer, rows, cols, self.options.dtype))
+    def cache(self, name: str, layer: int, rows: int, cols: int, heads: int = 0, head_dim: int = 0) -> None:
+        """A cache; with `heads`, its columns split by head across tensor-parallel ranks (else every rank holds it
+        whole, as an MLA latent is)."""
+        self.carried.append(Carried(name, layer, rows, cols, self.options.dtype, heads, head_dim))
         kind = self.options.scale_kind
         if kind == "tensor":
             self.carried.append(Carried(f"{name}.scale", layer, 1, 1, "float32"))
@@ -96,11 +98,11 @@ def _kv_heads(config: dict, model_type: str) -> int:
 
 def _attention(layers: _Layers, config: dict, model_type: str, windows: list[int | None]) -> None:
     """Per layer a key then a value cache (rows: ctx, or the layer's window), kv_heads x head_dim columns."""
-    cols = _kv_heads(config, model_type) * _head_dim(config, model_type)
+    heads, head_dim = _kv_heads(config, model_type), _head_dim(config, model_type)
     for i, window in enumerate(windows):
         rows = layers.options.ctx if window is None else min(window, layers.options.ctx)
-        layers.cache(f"layers.{i}.self_attn.k_cache", i, rows, cols)
-        layers.cache(f"layers.{i}.self_attn.v_cache", i, rows, cols)
+        layers.cache(f"layers.{i}.self_attn.k_cache", i, rows, heads * head_dim, heads, head_dim)
+        layers.cache(f"layers.{i}.self_attn.v_cache", i, rows, heads * head_dim, heads, head_dim)
 
 
 def _layer_types(config: dict, model_type: str, default: Callable[[int], str]) -> list[str]:
@@ -186,7 +188,7 @@ def _qwen3_next(config: dict, model_type: str, layers: _Layers) -> None:
     k_dim, v_dim = _get(config, "linear_key_head_dim", model_type), _get(config, "linear_value_head_dim", model_type)
     kernel = _get(config, "linear_conv_kernel_dim", model_type)
     conv_dtype = layers.options.dtype if not layers.options.dtype.startswith(("float8", "int", "uint")) else "bfloat16"
-    cols = _kv_heads(config, model_type) * _head_dim(config, model_type)
+    heads, head_dim = _kv_heads(config, model_type), _head_dim(config, model_type)
     for i, kind in enumerate(types):
         if kind == "linear_attention":
             layers.state(
@@ -194,8 +196,8 @@ def _qwen3_next(config: dict, model_type: str, layers: _Layers) -> None:
             )
             layers.state(f"layers.{i}.linear_attn.memory", i, v_heads * k_dim, v_dim, layers.options.state_dtype)
         elif kind == "full_attention":
-            layers.cache(f"layers.{i}.self_attn.k_cache", i, layers.options.ctx, cols)
-            layers.cache(f"layers.{i}.self_attn.v_cache", i, layers.options.ctx, cols)
+            layers.cache(f"layers.{i}.self_attn.k_cache", i, layers.options.ctx, heads * head_dim, heads, head_dim)
+            layers.cache(f"layers.{i}.self_attn.v_cache", i, layers.options.ctx, heads * head_dim, heads, head_dim)
         else:
             raise ConfigError(f"config.json of `{model_type}`: layer {i} is `{kind}`, which this model_type lacks")
 

@@ -17,6 +17,7 @@ from grpc_status import rpc_status
 from handoff_client._errors import HandoffError, InternalError, MalformedRequest, MessageTooLarge, to_status
 from handoff_client._frames import ChunkFrame
 from handoff_client._proto import handoff_pb2 as pb
+from handoff_client._shards import Shard, as_shard
 from handoff_client._wire import SERVICE, Malformed, contract_to_proto, decode_push_request, identity, message_classes
 
 from .auth import authorize_model, may_see
@@ -136,6 +137,7 @@ class HandoffBrokerServicer:
                 interrupt=context.cancel,
                 resumable=header.resumable,
                 resume=header.resume,
+                shard=_shard(header.model, header),
             )
             try:
                 for message in requests:
@@ -190,6 +192,7 @@ class HandoffBrokerServicer:
             context.is_active,
             interrupt=context.cancel,
             supersedes=request.supersedes,
+            shard=_shard(request.model, request),
         )
         started = time.monotonic()
         model = self._model_label(claim.model)
@@ -203,7 +206,7 @@ class HandoffBrokerServicer:
 
         context.add_callback(ended)
         progress.outcome = "refused"  # until the stream is under way, an error here is the broker's refusal
-        yield _pull_header(claim)
+        yield _pull_header(claim, request.shard)
         progress.outcome = "broken"
         fed = 0
         while True:
@@ -226,7 +229,7 @@ class HandoffBrokerServicer:
     @_mapped
     def ConfirmHandoff(self, request: pb.ConfirmRequest, context: grpc.ServicerContext) -> pb.ConfirmResponse:
         authorize_model(request.model)
-        self.store.confirm(request.model, request.handoff_id, request.claim)
+        self.store.confirm(request.model, request.handoff_id, request.claim, _shard(request.model, request))
         logger.info("confirmed %s/%s by claim %d", request.model, request.handoff_id, request.claim)
         return pb.ConfirmResponse()
 
@@ -273,8 +276,16 @@ class _Progress:
         self.outcome = "broken"
 
 
-def _pull_header(claim: Claim) -> bytes:
+def _shard(model: str, request: pb.PushHeader | pb.PullRequest | pb.ConfirmRequest) -> Shard:
+    """The request's shard; an absent one (or size 0, as a peer that leaves the field unset sends) is the whole."""
+    if not request.HasField("shard") or request.shard.size == 0:
+        return as_shard(model, None)
+    return as_shard(model, (request.shard.rank, request.shard.size))
+
+
+def _pull_header(claim: Claim, shard: pb.Shard) -> bytes:
     header = pb.PullHeader(
+        shard=shard,
         model=claim.model,
         handoff_id=claim.handoff_id,
         position=claim.position,

@@ -21,6 +21,12 @@ What it guarantees:
   What is gone leaves a tombstone for `tombstone_ttl`, so late callers hear *expired*, *cancelled* or
   *confirmed* rather than *unknown*, and a push retried after its hand-off was delivered is recognised.
 
+Tensor-parallel hand-offs (a `shard` on a push or a pull) are a group: each pushing rank's part is an entry of its
+own (under an internal key no caller can name), checked against that rank's view of the contract; the hand-off is
+whole once every pushing rank has committed. The first pull fixes the pulling TP size and cuts one entry per pulling
+rank (server/reshard.py); each is claimed, leased and confirmed on its own, exactly as a whole hand-off is, and the
+group is gone once every pulling rank has confirmed. Any rank's push failing, or any part expiring, frees the group.
+
 Plain Python: no gRPC in here. Streams are reached through `interrupt` callables (the service passes each call's
 cancel), always called outside the lock. Every method is thread-safe; a PushSession belongs to one stream.
 """
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from handoff_client._contract import Contract, TensorSpans
+from handoff_client._shards import WHOLE, Shard, ShardContract
 from handoff_client._errors import (
     AlreadyClaimed,
     CapacityExhausted,
@@ -46,12 +53,14 @@ from handoff_client._errors import (
     HandoffGone,
     MalformedRequest,
     PushAborted,
+    ShardMismatch,
     StaleClaim,
     UnknownHandoff,
     UnknownModel,
     WaitTimedOut,
 )
 
+from . import reshard
 from .pushes import PushSession, StoredChunk, _NewPush, _RepeatPush
 
 logger = logging.getLogger(__name__)
@@ -127,10 +136,43 @@ class _Entry:
     received: list[tuple[int, int, int, int]] = field(default_factory=list)  # digest entries so far
     created: float = 0.0
     committed_at: float = 0.0
+    reserved: int = 0  # bytes of `max_bytes` this entry holds (a group's pulling ranks hold theirs in the group)
+    group: _Group | None = None  # the tensor-parallel hand-off this entry is one rank's part of
+    rank: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.contract.nbytes
+
+
+@dataclass(eq=False)
+class _Group:
+    """A hand-off pushed, or pulled, by tensor-parallel ranks: its pushing ranks' entries until the first pull, then
+    its pulling ranks' entries until each has confirmed."""
+
+    key: HandoffKey
+    contract: Contract
+    position: int
+    push_size: int
+    created: float
+    pushed: dict[int, _Entry] = field(default_factory=dict)
+    push_digests: dict[int, str] = field(default_factory=dict)  # kept after the cut, so a retried push is known
+    pull_size: int = 0  # fixed by the first pull
+    pulled: dict[int, _Entry] = field(default_factory=dict)
+    confirmed: set[int] = field(default_factory=set)
+    cutting: bool = False
+    reserved: int = 0
+    ended: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.pushed) == self.push_size and all(e.committed for e in self.pushed.values())
+
+
+def _part_key(key: HandoffKey, side: str, shard: Shard) -> HandoffKey:
+    """The internal key of one rank's part: the unit separator cannot appear in a caller's (printable) id."""
+    model, handoff_id = key
+    return model, f"{handoff_id}\x1f{side}:{shard.rank}/{shard.size}"
 
 
 @dataclass(frozen=True)
@@ -184,6 +226,7 @@ class Store:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # an entry appeared, was released or freed; bytes freed
         self._entries: dict[HandoffKey, _Entry] = {}
+        self._groups: dict[HandoffKey, _Group] = {}
         self._tombstones: OrderedDict[HandoffKey, _Tombstone] = OrderedDict()
         self._resident = 0
         self._draining = False
@@ -232,15 +275,18 @@ class Store:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            entries = list(self._entries.values())
+            entries = [e for e in self._entries.values() if e.group is None]
+            groups = list(self._groups.values())
+            claimed = [any(e.claimed for e in g.pulled.values()) for g in groups]
             return StoreStats(
-                receiving=sum(not e.committed for e in entries),
-                ready=sum(e.committed and not e.claimed for e in entries),
-                claimed=sum(e.committed and e.claimed for e in entries),
+                receiving=sum(not e.committed for e in entries) + sum(not g.complete and not g.pull_size for g in groups),
+                ready=sum(e.committed and not e.claimed for e in entries)
+                + sum((g.complete or bool(g.pull_size)) and not c for g, c in zip(groups, claimed)),
+                claimed=sum(e.committed and e.claimed for e in entries) + sum(claimed),
                 resident_bytes=self._resident,
                 max_bytes=self.config.max_bytes,
                 tombstones=len(self._tombstones),
-                oldest_seconds=max((self._clock() - e.created for e in entries), default=0.0),
+                oldest_seconds=max((self._clock() - e.created for e in self._entries.values()), default=0.0),
                 draining=self._draining,
             )
 
@@ -259,19 +305,22 @@ class Store:
         interrupt: Interrupt | None = None,
         resumable: bool = False,
         resume: bool = False,
+        shard: Shard = WHOLE,
     ) -> PushSession:
         """Open a push: the header's checks, then the hand-off's whole size reserved (waiting up to `wait` s for
-        room unless `no_wait`).
+        room unless `no_wait`). With a `shard` of a TP size above 1, one rank's part: its view's size reserved.
 
         A push of an id already held is checked against it byte for byte instead (a blind retry); a push of an id
         still RECEIVING replaces that push (its stream is presumed dead: the retry came first).
         """
-        contract = self.contract(model)
+        whole = self.contract(model)
         _check_id(model, handoff_id)
-        if fingerprint != contract.fingerprint:
-            raise FingerprintMismatch(model, contract.fingerprint, fingerprint)
-        contract.check_position(position)
-        key = (model, handoff_id)
+        if fingerprint != whole.fingerprint:
+            raise FingerprintMismatch(model, whole.fingerprint, fingerprint)
+        whole.check_position(position)
+        contract = whole if shard.whole else ShardContract.of(whole, shard, pushing=True)
+        user_key = (model, handoff_id)
+        key = user_key if shard.whole else _part_key(user_key, "push", shard)
         if resume:
             return self._resume(contract, key, position, interrupt)
         deadline = self._clock() + (0.0 if no_wait else wait)
@@ -279,8 +328,12 @@ class Store:
         try:
             with self._lock:
                 while True:
-                    if self._draining:
-                        raise Draining()
+                    group = self._groups.get(user_key)
+                    if self._draining and group is None:
+                        raise Draining()  # a rank joining a sharded push under way is let in: it is in flight
+                    repeat = self._sharding_checks(user_key, group, shard, position)
+                    if repeat is not None:
+                        return _RepeatPush(self, contract, key, delivered_digest=repeat)
                     held = self._entries.get(key)
                     if held is not None and held.committed:
                         if held.position != position:
@@ -288,10 +341,12 @@ class Store:
                                 model, handoff_id, f"was pushed at position {held.position}, not {position}"
                             )
                         return _RepeatPush(self, contract, key, held=held)
-                    tomb = self._tombstones.get(key)
+                    tomb = self._tombstones.get(user_key)
                     if tomb is not None and tomb.how == "cancelled":
                         raise HandoffGone(model, handoff_id, "was cancelled; push it under a new id")
                     if tomb is not None and tomb.how == "confirmed":
+                        if not tomb.digest:  # a tensor-parallel hand-off: its parts' digests went with it
+                            raise HandoffGone(model, handoff_id, _gone_words("confirmed"))
                         return _RepeatPush(self, contract, key, delivered_digest=tomb.digest)
                     if held is not None:  # a push of this id in flight: this one replaces it
                         logger.info("push of %s/%s replaces one still in flight", model, handoff_id)
@@ -312,13 +367,35 @@ class Store:
                 entry.push = session
                 entry.created = entry.push_activity = self._clock()
                 entry.push_interrupt = interrupt
+                entry.reserved = entry.nbytes
+                if not shard.whole:
+                    if group is None:
+                        group = self._groups[user_key] = _Group(user_key, whole, position, shard.size, entry.created)
+                    group.pushed[shard.rank] = entry
+                    entry.group, entry.rank = group, shard.rank
                 self._entries[key] = entry
                 self._tombstones.pop(key, None)
-                self._resident += entry.nbytes
+                self._resident += entry.reserved
                 self._changed.notify_all()  # pullers waiting for this id may claim it now
                 return session
         finally:
             _run(interrupts)
+
+    def _sharding_checks(self, key: HandoffKey, group: _Group | None, shard: Shard, position: int) -> str | None:
+        """Under the lock: refuse a push whose TP size differs from the hand-off's other ranks'; the digest a
+        retried push must repeat, when its rank's part has already been cut for pulling (else None)."""
+        model, handoff_id = key
+        if group is None:
+            if not shard.whole and key in self._entries:
+                raise ShardMismatch(model, handoff_id, "pushed", 1, shard.size)
+            return None
+        if group.push_size != shard.size:
+            raise ShardMismatch(model, handoff_id, "pushed", group.push_size, shard.size)
+        if group.position != position:
+            raise HandoffExists(model, handoff_id, f"was pushed at position {group.position}, not {position}")
+        if group.pull_size or group.cutting:
+            return group.push_digests.get(shard.rank, "")
+        return None
 
     def _resume(self, contract: Contract, key: HandoffKey, position: int, interrupt: Interrupt | None) -> PushSession:
         """Continue a broken resumable push: a new session on the same entry, its bytes and checks so far."""
@@ -402,7 +479,13 @@ class Store:
         entry = self._entries.get(session.key)
         if entry is None or entry.push is not session:
             model, handoff_id = session.key
-            tomb = self._tombstones.get(session.key)
+            mine = getattr(session, "entry", None)
+            if mine is not None and mine.group is not None:
+                model, handoff_id = mine.group.key
+                if mine.ended == "abandoned":
+                    raise PushAborted(model, handoff_id, "was abandoned: another rank's push of it failed or lapsed; "
+                                                         "push every rank again")  # fmt: skip
+            tomb = self._tombstones.get((model, handoff_id))
             if tomb is not None and tomb.how == "cancelled":
                 raise HandoffCancelled(model, handoff_id)
             raise HandoffExists(model, handoff_id, "was pushed again by a newer stream, which replaces this one")
@@ -418,50 +501,130 @@ class Store:
         is_active: Callable[[], bool] = lambda: True,
         interrupt: Interrupt | None = None,
         supersedes: int = 0,
+        shard: Shard = WHOLE,
     ) -> Claim:
         """Claim a hand-off, waiting up to `wait` seconds for its push to begin; a claim made while the push is under
         way streams its chunks as they arrive (`feed`). `supersedes` names the caller's own earlier claim, which
-        this one replaces if it still stands."""
-        self.contract(model)
+        this one replaces if it still stands. With a `shard`, or of a tensor-parallel push, the claim is on one
+        pulling rank's part, once every pushing rank has committed."""
+        contract = self.contract(model)
         _check_id(model, handoff_id)
+        if not shard.whole:
+            ShardContract.of(contract, shard, pushing=False)  # a shard that cannot be cut is refused before any wait
         key = (model, handoff_id)
         started = self._clock()
-        stale: list[Interrupt] = []
         with self._lock:
             while True:
+                group = self._groups.get(key)
                 entry = self._entries.get(key)
-                if self._draining and entry is None:
+                held_here = group is not None or entry is not None
+                if group is None and not shard.whole and entry is not None and entry.committed:
+                    if entry.claimed:
+                        raise ShardMismatch(model, handoff_id, "pulled", 1, shard.size)
+                    group = self._adopt(entry)
+                short_of_room = False
+                if group is not None:
+                    if group.pull_size and group.pull_size != shard.size:
+                        raise ShardMismatch(model, handoff_id, "pulled", group.pull_size, shard.size)
+                    if group.pull_size:
+                        entry = group.pulled.get(shard.rank)
+                        if entry is None:
+                            raise HandoffGone(model, handoff_id, f"was already delivered to {shard} and confirmed")
+                    elif group.complete and not group.cutting:
+                        if self._cut(group, shard.size):
+                            continue
+                        short_of_room = True
+                        entry = None
+                    else:
+                        entry = None  # the push, or the cut, is under way
+                elif not shard.whole:
+                    entry = None  # a whole push under way: a shard is cut from it once it commits
+                if self._draining and not held_here:
                     raise Draining()  # not here, and never will be: ask another broker
                 if entry is not None and entry.claimed and supersedes and entry.generation == supersedes:
                     logger.info("claim %d on %s/%s superseded by its own retry", supersedes, model, handoff_id)
-                    stale = self._unclaim(entry)
+                    _run_later(self._unclaim(entry))
                 if entry is not None and not entry.claimed:
-                    first_wait = (
-                        self._clock() - entry.committed_at if entry.committed and not entry.generation else None
-                    )
-                    self.events.claimed(model, first_wait)
-                    entry.generation += 1
-                    entry.claimed = entry.streaming = True
-                    entry.live = not entry.committed
-                    entry.pull_activity = self._clock()
-                    entry.pull_interrupt = interrupt
-                    chunks = len(entry.ordered) if entry.committed else 0
-                    _run_later(stale)
-                    return Claim(
-                        model, handoff_id, entry.generation, entry.position, entry.contract.fingerprint,
-                        entry.nbytes, chunks, entry,
-                    )  # fmt: skip
+                    return self._grant(entry, key, interrupt)
                 if entry is not None:
-                    raise AlreadyClaimed(model, handoff_id)
+                    raise AlreadyClaimed(model, handoff_id, "" if shard.whole else str(shard))
                 tomb = self._tombstones.get(key)
-                if tomb is not None and tomb.how == "cancelled":
+                if group is None and tomb is not None and tomb.how == "cancelled":
                     raise HandoffCancelled(model, handoff_id)
-                if tomb is not None:
+                if group is None and tomb is not None:
                     raise HandoffGone(model, handoff_id, _gone_words(tomb.how))
                 waited = self._clock() - started
                 if waited >= wait or not is_active() or self._closed.is_set():
+                    if short_of_room and group is not None:
+                        extra = sum(reshard.plan(group.contract, _pushed(group), Shard(r, shard.size)).new_bytes
+                                    for r in range(shard.size))  # fmt: skip
+                        free = self.config.max_bytes - self._resident
+                        raise CapacityExhausted(model, extra, free, self.config.max_bytes)
                     raise WaitTimedOut(model, handoff_id, waited)
                 self._changed.wait(min(wait - waited, WAIT_SLICE))
+
+    def _grant(self, entry: _Entry, key: HandoffKey, interrupt: Interrupt | None) -> Claim:
+        """Under the lock: the claim on an unclaimed entry (a whole hand-off, or one pulling rank's part)."""
+        model, handoff_id = key
+        first_wait = self._clock() - entry.committed_at if entry.committed and not entry.generation else None
+        self.events.claimed(model, first_wait)
+        entry.generation += 1
+        entry.claimed = entry.streaming = True
+        entry.live = not entry.committed
+        entry.pull_activity = self._clock()
+        entry.pull_interrupt = interrupt
+        chunks = len(entry.ordered) if entry.committed else 0
+        return Claim(
+            model, handoff_id, entry.generation, entry.position, entry.contract.fingerprint, entry.nbytes, chunks, entry
+        )
+
+    def _adopt(self, entry: _Entry) -> _Group:
+        """Under the lock: a whole hand-off becomes a group of one pushing rank, for a sharded pull to cut."""
+        group = _Group(entry.key, entry.contract, entry.position, 1, entry.created, pushed={0: entry})
+        entry.group = group
+        self._groups[entry.key] = group
+        return group
+
+    def _cut(self, group: _Group, size: int) -> bool:
+        """Under the lock (released while copying): cut the group's pushed parts into `size` pulling ranks' parts,
+        and free the pushed parts. False, cutting nothing, when the copies would not fit in `max_bytes` now."""
+        pushed = _pushed(group)
+        plans = [reshard.plan(group.contract, pushed, Shard(rank, size)) for rank in range(size)]
+        extra = sum(p.new_bytes for p in plans)
+        if self._resident + extra > self.config.max_bytes:
+            return False
+        group.cutting = True
+        group.push_digests = {rank: entry.digest for rank, entry in group.pushed.items()}
+        self._resident += extra  # reserved before the copies are made
+        group.reserved += extra
+        self._lock.release()
+        try:
+            built = [reshard.build(p) for p in plans]
+        finally:
+            self._lock.acquire()
+            group.cutting = False
+        if group.ended is not None:
+            return True  # cancelled or lost meanwhile: the next look finds it gone
+        now = self._clock()
+        ttl = min(entry.ttl for entry in group.pushed.values())
+        for rank, (plan, (chunks, digest)) in enumerate(zip(plans, built)):
+            part = _Entry(_part_key(group.key, "pull", Shard(rank, size)), plan.view, group.position, ttl, None,
+                          threading.Condition(self._lock))  # fmt: skip
+            part.ordered = chunks
+            part.digest, part.committed, part.committed_at = digest, True, now
+            part.expires_at, part.created = now + ttl, group.created
+            part.group, part.rank = group, rank
+            self._entries[part.key] = part
+            group.pulled[rank] = part
+        group.pull_size = size
+        for entry in list(group.pushed.values()):
+            group.reserved += entry.reserved  # the pulling ranks' parts share these frames
+            self._resident += entry.reserved
+            self._free(entry, "cut")
+        group.pushed = {}
+        self._changed.notify_all()
+        logger.info("hand-off %s/%s cut for %d pulling ranks (%d bytes copied)", *group.key, size, extra)
+        return True
 
     def feed(self, claim: Claim, start: int, wait: float) -> tuple[list[StoredChunk], str | None]:
         """The claim's chunks from the `start`-th on, waiting up to `wait` s for more if the push is under way, and
@@ -485,7 +648,7 @@ class Store:
     def _check_claim(self, claim: Claim) -> None:
         """Under the lock: the claim still holds its hand-off."""
         entry = claim.entry
-        if entry.ended in ("aborted", "replaced"):
+        if entry.ended in ("aborted", "replaced", "abandoned"):
             raise PushAborted(claim.model, claim.handoff_id)
         if entry.ended == "cancelled":
             raise HandoffCancelled(claim.model, claim.handoff_id)
@@ -505,11 +668,17 @@ class Store:
             else:
                 self._unclaim(entry)
 
-    def confirm(self, model: str, handoff_id: str, generation: int) -> None:
-        """The decode worker has the hand-off whole: forget it. Idempotent for the same generation."""
+    def confirm(self, model: str, handoff_id: str, generation: int, shard: Shard = WHOLE) -> None:
+        """The decode worker has the hand-off (or its rank's part) whole: forget it. Idempotent for the same
+        generation."""
         self.contract(model)
         key = (model, handoff_id)
         with self._lock:
+            group = self._groups.get(key)
+            if group is not None and group.pull_size and group.pull_size != shard.size:
+                raise ShardMismatch(model, handoff_id, "pulled", group.pull_size, shard.size)
+            if (group is not None and group.pull_size) or not shard.whole:
+                key = _part_key(key, "pull", shard)
             entry = self._entries.get(key)
             if entry is not None:
                 if not entry.committed or not entry.claimed:
@@ -533,12 +702,14 @@ class Store:
         self.contract(model)
         key = (model, handoff_id)
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
+            entry, group = self._entries.get(key), self._groups.get(key)
+            if entry is None and group is None:
                 if key not in self._tombstones:
                     self._bury(key, "cancelled", 0, "")  # a push that comes later is refused too
                 return False
-            interrupts = self._free(entry, "cancelled")
+            interrupts = self._end_group(group, "cancelled") if group is not None else []
+            if entry is not None and self._entries.get(key) is entry:
+                interrupts += self._free(entry, "cancelled")
             self.events.cancelled(model)
         _run(interrupts)
         return True
@@ -551,7 +722,9 @@ class Store:
         interrupts: list[Interrupt] = []
         with self._lock:
             for entry in list(self._entries.values()):
-                model, handoff_id = entry.key
+                if self._entries.get(entry.key) is not entry:
+                    continue  # freed with its group earlier in this sweep
+                model, handoff_id = entry.group.key if entry.group is not None else entry.key
                 if not entry.committed and entry.push is None and now >= (entry.suspended_until or now):
                     logger.info("broken push of %s/%s not resumed in time: freed", model, handoff_id)
                     interrupts += self._free(entry, "aborted")
@@ -610,7 +783,8 @@ class Store:
     def _free(self, entry: _Entry, how: str) -> list[Interrupt]:
         """The entry leaves the store; the streams still on it are returned for interrupting."""
         del self._entries[entry.key]
-        self._resident -= entry.nbytes
+        self._resident -= entry.reserved
+        entry.reserved = 0
         entry.ended = how
         if how in ("expired", "cancelled", "confirmed"):
             self._bury(entry.key, how, entry.generation, entry.digest)
@@ -625,11 +799,48 @@ class Store:
         entry.arrived, entry.ordered, entry.by_tensor = [], [], []
         entry.changed.notify_all()
         self._changed.notify_all()
+        group = entry.group
+        if group is not None and group.ended is None:
+            if how in ("aborted", "expired", "cancelled"):
+                interrupts += self._end_group(group, how)
+            elif how == "confirmed" and group.pulled.get(entry.rank) is entry:
+                group.confirmed.add(entry.rank)
+                if len(group.confirmed) == group.pull_size:
+                    interrupts += self._end_group(group, "confirmed", entry.generation)
+        return interrupts
+
+    def _end_group(self, group: _Group, how: str, generation: int = 0) -> list[Interrupt]:
+        """The tensor-parallel hand-off is done with (every rank confirmed) or lost (a part failed, lapsed or was
+        cancelled): every part still held goes, and its bytes."""
+        group.ended = how
+        del self._groups[group.key]
+        parts = "abandoned" if how == "aborted" else how  # a sibling's pusher hears why at its next chunk
+        interrupts: list[Interrupt] = []
+        for entry in [*group.pushed.values(), *group.pulled.values()]:
+            if self._entries.get(entry.key) is entry:
+                interrupts += self._free(entry, parts)
+        self._resident -= group.reserved
+        group.reserved = 0
+        if how in ("expired", "cancelled", "confirmed"):
+            self._bury(group.key, how, generation if group.pull_size == 1 else 0, "")
+        self._changed.notify_all()
         return interrupts
 
     def _bury(self, key: HandoffKey, how: str, generation: int, digest: str) -> None:
         self._tombstones.pop(key, None)
         self._tombstones[key] = _Tombstone(how, generation, digest, self._clock() + self.config.tombstone_ttl)
+
+
+def _pushed(group: _Group) -> reshard.Pushed:
+    """The pushed parts as the cut reads them: each rank's view of the contract (a whole push's is rank 0 of 1)."""
+    return {
+        rank: (
+            entry.contract if isinstance(entry.contract, ShardContract)
+            else ShardContract.of(entry.contract, WHOLE, pushing=True),
+            entry.by_tensor,
+        )
+        for rank, entry in group.pushed.items()
+    }  # fmt: skip
 
 
 def _run_later(interrupts: list[Interrupt]) -> None:

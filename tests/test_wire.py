@@ -133,6 +133,9 @@ EXAMPLES = [
     _errors.HandoffCancelled("m", "r"),
     _errors.InternalError(),
     _errors.DigestMismatch("m", "r", "aa", "bb"),
+    _errors.NotInShard("m", "t", 1, 2, "it is not split, and rank 0 pushes it"),
+    _errors.ShardLayout("m", "`t` has 6 heads, which 4 ranks cannot share", "t"),
+    _errors.ShardMismatch("m", "r", "pushed", 2, 4),
 ]
 
 

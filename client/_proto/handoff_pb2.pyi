@@ -34,6 +34,9 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNAUTHENTICATED: _ClassVar[ErrorReason]
     PERMISSION_DENIED: _ClassVar[ErrorReason]
     MESSAGE_TOO_LARGE: _ClassVar[ErrorReason]
+    SHARD_LAYOUT: _ClassVar[ErrorReason]
+    SHARD_MISMATCH: _ClassVar[ErrorReason]
+    NOT_IN_SHARD: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 UNKNOWN_TENSOR: ErrorReason
 MISSING_TENSOR: ErrorReason
@@ -59,20 +62,35 @@ PUSH_ABORTED: ErrorReason
 UNAUTHENTICATED: ErrorReason
 PERMISSION_DENIED: ErrorReason
 MESSAGE_TOO_LARGE: ErrorReason
+SHARD_LAYOUT: ErrorReason
+SHARD_MISMATCH: ErrorReason
+NOT_IN_SHARD: ErrorReason
 
 class Carried(_message.Message):
-    __slots__ = ("name", "layer", "rows", "cols", "dtype")
+    __slots__ = ("name", "layer", "rows", "cols", "dtype", "heads", "head_dim")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     COLS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     name: str
     layer: int
     rows: int
     cols: int
     dtype: str
-    def __init__(self, name: _Optional[str] = ..., layer: _Optional[int] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    heads: int
+    head_dim: int
+    def __init__(self, name: _Optional[str] = ..., layer: _Optional[int] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., dtype: _Optional[str] = ..., heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+
+class Shard(_message.Message):
+    __slots__ = ("rank", "size")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    size: int
+    def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class Contract(_message.Message):
     __slots__ = ("model", "ctx", "hidden", "carried", "fingerprint")
@@ -117,7 +135,7 @@ class Chunk(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "handoff_id", "position", "fingerprint", "ttl_seconds", "no_wait", "resumable", "resume")
+    __slots__ = ("model", "handoff_id", "position", "fingerprint", "ttl_seconds", "no_wait", "resumable", "resume", "shard")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +144,7 @@ class PushHeader(_message.Message):
     NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     position: int
@@ -134,7 +153,8 @@ class PushHeader(_message.Message):
     no_wait: bool
     resumable: bool
     resume: bool
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ..., resumable: _Optional[bool] = ..., resume: _Optional[bool] = ...) -> None: ...
+    shard: Shard
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ..., resumable: _Optional[bool] = ..., resume: _Optional[bool] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -159,17 +179,19 @@ class PushResponse(_message.Message):
     def __init__(self, handoff_id: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., digest: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "handoff_id", "supersedes")
+    __slots__ = ("model", "handoff_id", "supersedes", "shard")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     supersedes: int
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ...) -> None: ...
+    shard: Shard
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("model", "handoff_id", "position", "fingerprint", "claim", "bytes", "chunks")
+    __slots__ = ("model", "handoff_id", "position", "fingerprint", "claim", "bytes", "chunks", "shard")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +199,7 @@ class PullHeader(_message.Message):
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     position: int
@@ -184,7 +207,8 @@ class PullHeader(_message.Message):
     claim: int
     bytes: int
     chunks: int
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., claim: _Optional[int] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+    shard: Shard
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., claim: _Optional[int] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ...) -> None: ...
 
 class PullEnd(_message.Message):
     __slots__ = ("digest",)
@@ -203,14 +227,16 @@ class PullResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., end: _Optional[_Union[PullEnd, _Mapping]] = ...) -> None: ...
 
 class ConfirmRequest(_message.Message):
-    __slots__ = ("model", "handoff_id", "claim")
+    __slots__ = ("model", "handoff_id", "claim", "shard")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     claim: int
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., claim: _Optional[int] = ...) -> None: ...
+    shard: Shard
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., claim: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ...) -> None: ...
 
 class ConfirmResponse(_message.Message):
     __slots__ = ()
