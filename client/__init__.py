@@ -19,6 +19,7 @@ from ._client import (
 )
 from ._contract import Carried, Contract, Handoff, ManifestError
 from ._fleet import FleetClient
+from ._shards import Shard, ShardContract, join_shards, shard_arrays
 from ._dtypes import DTYPES
 from ._errors import (
     AlreadyClaimed,
@@ -53,6 +54,9 @@ from ._errors import (
     WaitTimedOut,
     WrongLayout,
     WrongLength,
+    NotInShard,
+    ShardLayout,
+    ShardMismatch,
 )
 
 __all__ = [
@@ -103,4 +107,11 @@ __all__ = [
     "WaitTimedOut",
     "WrongLayout",
     "WrongLength",
+    "NotInShard",
+    "Shard",
+    "ShardContract",
+    "ShardLayout",
+    "ShardMismatch",
+    "join_shards",
+    "shard_arrays",
 ]

@@ -44,6 +44,7 @@ from ._errors import (
 )
 from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
 from ._frames import ChunkFrame, crc32c, encode_chunk, handoff_digest
+from ._shards import Shard, ShardContract, as_shard
 from ._proto import handoff_pb2 as pb
 from ._wire import contract_from_proto, decode_pull_response, identity, message_classes, method_path
 
@@ -231,6 +232,7 @@ class HandoffClient:
         ttl: float | None = None,
         wait_for_room: bool = True,
         resumable: bool = False,
+        shard: Shard | tuple[int, int] | None = None,
     ) -> PushResult:
         """Hand the carried tensors after `position` tokens to the broker under `handoff_id`.
 
@@ -238,9 +240,17 @@ class HandoffClient:
         long the hand-off may wait for its decoder; `wait_for_room=False` fails at once with CapacityExhausted
         when the broker is full, instead of waiting (up to `timeout`) for room. `resumable=True` asks the broker
         to keep what arrived if the stream breaks, and a retry then sends only the rest.
+
+        `shard=(rank, tp)`: this is rank `rank` of a prefill engine of `tp` ranks, and `tensors` are its own
+        arrays (its heads of each split tensor, `(rows, heads/tp × head_dim)`; rank 0 also the tensors not split).
+        Every rank pushes under the same id, concurrently; the hand-off is pullable once all have. A sharded push
+        that breaks is pushed again whole, not resumed.
         """
-        contract = self.get_contract(model)
+        whole = self.get_contract(model)
+        part = as_shard(model, shard)
+        contract = whole if part.whole else ShardContract.of(whole, part, pushing=True)
         handoff = contract.take(position, tensors)
+        resumable = resumable and part.whole
 
         def header(resume: bool) -> bytes:
             message = pb.PushHeader(
@@ -252,6 +262,7 @@ class HandoffClient:
                 no_wait=not wait_for_room,
                 resumable=resumable,
                 resume=resume,
+                shard=None if part.whole else pb.Shard(rank=part.rank, size=part.size),
             )
             return pb.PushRequest(header=message).SerializeToString()
 
@@ -296,21 +307,37 @@ class HandoffClient:
 
     # -- decode side --------------------------------------------------------------------------------------------------
 
-    def pull(self, model: str, handoff_id: str, *, timeout: float | None = None, ticket: str | None = None) -> Handoff:
+    def pull(
+        self,
+        model: str,
+        handoff_id: str,
+        *,
+        timeout: float | None = None,
+        ticket: str | None = None,
+        shard: Shard | tuple[int, int] | None = None,
+    ) -> Handoff:
         """Claim the hand-off (waiting up to `timeout` for its push), receive it whole, verify it, confirm it.
 
-        A `ticket` (from the push) is checked to name this hand-off and this contract."""
+        A `ticket` (from the push) is checked to name this hand-off and this contract. `shard=(rank, tp)`: this is
+        rank `rank` of a decode engine of `tp` ranks; it receives its heads of each split tensor as contiguous
+        `(rows, heads/tp × head_dim)` arrays and every tensor not split, whatever TP size pushed it."""
         if ticket is not None:
             fields = ticket_for(ticket, model, handoff_id)
             contract = self.get_contract(model)
             if fields["f"] != contract.fingerprint:
                 raise FingerprintMismatch(model, contract.fingerprint, fields["f"])
 
-        attempts = _PullAttempts(self, model, handoff_id)
+        attempts = _PullAttempts(self, model, handoff_id, as_shard(model, shard))
         return self._with_retries(attempts.run, attempts.retryable, timeout)
 
     def pull_tensors(
-        self, model: str, handoff_id: str, *, timeout: float | None = None, supersedes: int = 0
+        self,
+        model: str,
+        handoff_id: str,
+        *,
+        timeout: float | None = None,
+        supersedes: int = 0,
+        shard: Shard | tuple[int, int] | None = None,
     ) -> PulledTensors:
         """Claim the hand-off and yield `(carried, array)` as each tensor arrives whole, for a decoder that starts
         on layer 0 while later layers are still on the wire (the broker streams a push still under way).
@@ -320,14 +347,19 @@ class HandoffClient:
         the whole hand-off). If it raises — PushAborted when the push failed — discard what was yielded.
         Not retried: the caller has already seen part of it.
         """
-        contract = self.get_contract(model)
+        whole = self.get_contract(model)
+        part = as_shard(model, shard)
+        contract = whole if part.whole else ShardContract.of(whole, part, pushing=False)
         deadline = self.timeout if timeout is None else timeout
-        request = pb.PullRequest(model=model, handoff_id=handoff_id, supersedes=supersedes)
+        wire_shard = None if part.whole else pb.Shard(rank=part.rank, size=part.size)
+        request = pb.PullRequest(model=model, handoff_id=handoff_id, supersedes=supersedes, shard=wire_shard)
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)
-        return PulledTensors(self, contract, handoff_id, stream, deadline)
+        return PulledTensors(self, contract, handoff_id, stream, deadline, wire_shard)
 
-    def _confirm_claim(self, model: str, handoff_id: str, claim: int, timeout: float) -> None:
-        request = pb.ConfirmRequest(model=model, handoff_id=handoff_id, claim=claim)
+    def _confirm_claim(
+        self, model: str, handoff_id: str, claim: int, timeout: float, shard: pb.Shard | None = None
+    ) -> None:
+        request = pb.ConfirmRequest(model=model, handoff_id=handoff_id, claim=claim, shard=shard)
         self._with_retries(lambda remaining: self._call(self._confirm, request, remaining), retryable_push, timeout)
 
     def cancel(self, model: str, handoff_id: str, *, timeout: float | None = None) -> bool:
@@ -375,15 +407,18 @@ class _PullAttempts:
     """Successive attempts at one pull. A retry names the claim its broken predecessor held, so the broker hands it
     over at once; and after a break, ALREADY_CLAIMED may be that very claim, not yet noticed dead: retry it too."""
 
-    def __init__(self, client: HandoffClient, model: str, handoff_id: str) -> None:
+    def __init__(self, client: HandoffClient, model: str, handoff_id: str, shard: Shard) -> None:
         self.client = client
         self.model = model
         self.handoff_id = handoff_id
+        self.shard = shard
         self.claim = 0
         self.broke = False
 
     def run(self, timeout: float) -> Handoff:
-        tensors = self.client.pull_tensors(self.model, self.handoff_id, timeout=timeout, supersedes=self.claim)
+        tensors = self.client.pull_tensors(
+            self.model, self.handoff_id, timeout=timeout, supersedes=self.claim, shard=self.shard
+        )
         try:
             for _ in tensors:
                 pass
@@ -402,9 +437,16 @@ class PulledTensors:
     """One pull's stream: iterate for `(carried, array)` as each tensor completes; then `.handoff`, confirmed."""
 
     def __init__(
-        self, client: HandoffClient, contract: Contract, handoff_id: str, stream: Iterator, timeout: float
+        self,
+        client: HandoffClient,
+        contract: Contract,
+        handoff_id: str,
+        stream: Iterator,
+        timeout: float,
+        shard: pb.Shard | None = None,
     ) -> None:
         self._client = client
+        self._shard = shard
         self._contract = contract
         self._handoff_id = handoff_id
         self._stream = stream
@@ -429,7 +471,7 @@ class PulledTensors:
             self._stream.cancel()  # the broker returns the claim at once, for the next pull
             raise
         contract = self._contract
-        self._client._confirm_claim(contract.model, self._handoff_id, header.claim, self._timeout)
+        self._client._confirm_claim(contract.model, self._handoff_id, header.claim, self._timeout, self._shard)
         self._handoff = handoff
 
     def _receive(self) -> Iterator[tuple[Carried, np.ndarray]]:

@@ -209,18 +209,22 @@ class FleetClient:
         order = rendezvous(self._set.brokers(), model, handoff_id)
         return in_order(order, lambda b: self._client(b).push(model, handoff_id, position, tensors, **kwargs))
 
-    def pull(self, model: str, handoff_id: str, *, ticket: str | None = None, timeout: float | None = None):  # noqa: ANN201
+    def pull(  # noqa: ANN201
+        self, model: str, handoff_id: str, *, ticket: str | None = None, timeout: float | None = None, **kwargs: object
+    ):
         """From the broker the ticket names, or else by rendezvous order: a brief look at the first few, then a wait
         at the first that answers."""
         timeout = self.timeout if timeout is None else timeout
         if ticket is not None:
             fields = ticket_for(ticket, model, handoff_id)
             try:
-                return self._client(fields["b"]).pull(model, handoff_id, timeout=timeout, ticket=ticket)
+                return self._client(fields["b"]).pull(model, handoff_id, timeout=timeout, ticket=ticket, **kwargs)
             except HandoffError as e:
                 raise named(fields["b"], e) from None
         order = rendezvous(self._set.brokers(), model, handoff_id)
-        return probe_then_wait(order, lambda b, t: self._client(b).pull(model, handoff_id, timeout=t), timeout)
+        return probe_then_wait(
+            order, lambda b, t: self._client(b).pull(model, handoff_id, timeout=t, **kwargs), timeout
+        )
 
     def cancel(self, model: str, handoff_id: str, **kwargs: object) -> bool:
         """Cancel wherever the hand-off is; True if some broker held it."""

@@ -12,7 +12,7 @@ A rank's part of a split tensor is the contiguous (rows, its heads × head_dim) 
 whole. A push sends each byte once: a split tensor's heads by the first rank holding them, a tensor not split by
 rank 0. A pull receives everything its rank holds. `ShardContract` is a rank's view as a contract (the same names,
 its own shapes), so the seed's checks, chunk spans and digests work on a shard exactly as on a whole hand-off, on
-both sides; `split` and `join` cut whole arrays into a rank's and put a rank set's back together.
+both sides; `shard_arrays` cuts whole arrays into a rank's and `join_shards` puts every rank's back together.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class ShardContract(Contract):
         raise NotInShard(self.model, name, self.shard.rank, self.shard.size, why)
 
 
-def split(contract: Contract, tensors: Mapping[str, np.ndarray], shard: Shard, *, pushing: bool) -> dict:
+def shard_arrays(contract: Contract, tensors: Mapping[str, np.ndarray], shard: Shard, *, pushing: bool) -> dict:
     """`shard`'s arrays cut from whole ones: its heads of each split tensor as contiguous arrays, and (when pulling,
     or for rank 0 when pushing) the tensors not split. What a TP engine's rank holds, made from a TP=1 hand-off."""
     view = ShardContract.of(contract, shard, pushing=pushing)
@@ -144,8 +144,8 @@ def split(contract: Contract, tensors: Mapping[str, np.ndarray], shard: Shard, *
     return out
 
 
-def join(contract: Contract, shards: Sequence[Handoff], size: int) -> Handoff:
-    """The whole hand-off from every rank's pulled shard (in rank order): the inverse of `split` when pulling.
+def join_shards(contract: Contract, shards: Sequence[Handoff], size: int) -> Handoff:
+    """The whole hand-off from every rank's pulled shard (in rank order): the inverse of `shard_arrays` when pulling.
     Heads that several ranks hold must agree."""
     if len(shards) != size:
         raise ValueError(f"{contract.model}: joining needs all {size} ranks' shards, got {len(shards)}")

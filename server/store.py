@@ -279,7 +279,8 @@ class Store:
             groups = list(self._groups.values())
             claimed = [any(e.claimed for e in g.pulled.values()) for g in groups]
             return StoreStats(
-                receiving=sum(not e.committed for e in entries) + sum(not g.complete and not g.pull_size for g in groups),
+                receiving=sum(not e.committed for e in entries)
+                + sum(not g.complete and not g.pull_size for g in groups),
                 ready=sum(e.committed and not e.claimed for e in entries)
                 + sum((g.complete or bool(g.pull_size)) and not c for g, c in zip(groups, claimed)),
                 claimed=sum(e.committed and e.claimed for e in entries) + sum(claimed),

@@ -14,12 +14,19 @@ from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import decode_pull_response, identity, method_path
 
 
-def header_frame(contract: Contract, handoff_id: str, position: int = 1, fingerprint: str | None = None) -> bytes:
+def header_frame(
+    contract: Contract,
+    handoff_id: str,
+    position: int = 1,
+    fingerprint: str | None = None,
+    shard: tuple[int, int] | None = None,
+) -> bytes:
     header = pb.PushHeader(
         model=contract.model,
         handoff_id=handoff_id,
         position=position,
         fingerprint=contract.fingerprint if fingerprint is None else fingerprint,
+        shard=pb.Shard(rank=shard[0], size=shard[1]) if shard else None,
     )
     return pb.PushRequest(header=header).SerializeToString()
 
@@ -53,14 +60,17 @@ def open_channel(target: str) -> grpc.Channel:
     return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
 
 
-def raw_pull(channel: grpc.Channel, model: str, handoff_id: str, timeout: float = 10) -> Iterator[object]:
+def raw_pull(
+    channel: grpc.Channel, model: str, handoff_id: str, timeout: float = 10, shard: tuple[int, int] | None = None
+) -> Iterator[object]:
     """An open pull stream whose messages are decoded but not acted on (no confirm)."""
     pull = channel.unary_stream(
         method_path("PullHandoff"),
         request_serializer=pb.PullRequest.SerializeToString,
         response_deserializer=decode_pull_response,
     )
-    return pull(pb.PullRequest(model=model, handoff_id=handoff_id), timeout=timeout)
+    wire_shard = pb.Shard(rank=shard[0], size=shard[1]) if shard else None
+    return pull(pb.PullRequest(model=model, handoff_id=handoff_id, shard=wire_shard), timeout=timeout)
 
 
 def raises_handoff_error(call, *args, **kwargs) -> HandoffError:

@@ -1,6 +1,7 @@
 """Worker processes that tests kill with SIGKILL in the middle of a stream.
 
-    python tests/workers.py pull-and-stall TARGET MODEL ID     claims, reads the header and one chunk, then stalls
+    python tests/workers.py pull-and-stall TARGET MODEL ID [RANK TP]   claims (a shard), reads the header and one
+                                                                       chunk, then stalls
     python tests/workers.py push-and-stall TARGET MODEL ID     pushes the header and half the chunks, then stalls
 
 Each prints "stalled" once it is mid-stream, so the test knows when to kill it.
@@ -21,9 +22,10 @@ from handoff_client import HandoffClient  # noqa: E402
 from support import chunk_frames, header_frame, open_channel, raw_pull  # noqa: E402
 
 
-def pull_and_stall(target: str, model: str, handoff_id: str) -> None:
+def pull_and_stall(target: str, model: str, handoff_id: str, *shard: str) -> None:
     channel = open_channel(target)
-    stream = raw_pull(channel, model, handoff_id, timeout=120)
+    part = (int(shard[0]), int(shard[1])) if shard else None
+    stream = raw_pull(channel, model, handoff_id, timeout=120, shard=part)
     next(stream)
     next(stream)
     print("stalled", flush=True)
@@ -51,4 +53,4 @@ def push_and_stall(target: str, model: str, handoff_id: str) -> None:
 
 
 if __name__ == "__main__":
-    {"pull-and-stall": pull_and_stall, "push-and-stall": push_and_stall}[sys.argv[1]](*sys.argv[2:5])
+    {"pull-and-stall": pull_and_stall, "push-and-stall": push_and_stall}[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,311 @@
+"""Prefill and decode at different tensor-parallel sizes: the broker reshards by heads.
+
+Contracts here come from real config.json files (Llama-3-8B: 8 KV heads; Qwen2-7B: 4, so TP 8 replicates each head
+on two ranks; Qwen3-Next: 2 KV heads beside gated-delta conv rings and memories that are not split), over a short
+cache so every pair of TP sizes runs in moments.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
+from handoff_broker.architectures import contract_from_config
+from handoff_client import (
+    AlreadyClaimed,
+    Contract,
+    HandoffCancelled,
+    HandoffClient,
+    HandoffGone,
+    MissingTensor,
+    NotInShard,
+    PushAborted,
+    Shard,
+    ShardLayout,
+    ShardMismatch,
+    WaitTimedOut,
+    join_shards,
+    shard_arrays,
+)
+from handoff_client._contract import Carried
+from handoff_client._shards import ShardContract
+from test_claims import wait_until
+from support import chunk_frames, header_frame, raises_handoff_error, raw_push
+
+CONFIGS = Path(__file__).parent / "configs"
+WORKERS = Path(__file__).parent / "workers.py"
+TP_SIZES = (1, 2, 4, 8)
+ODD_CHUNK = 3001  # chunk edges fall mid-row and mid-head, so the broker's cut handles partial rows
+
+
+def model(name: str, config_file: str, layers: int | None = None, ctx: int = 4) -> Contract:
+    config = json.loads((CONFIGS / f"{config_file}.json").read_text())
+    if layers is not None:
+        config = {**config, "num_hidden_layers": layers}
+    return contract_from_config(config, ctx=ctx, model=name, state_dtype="bfloat16")
+
+
+MODELS = {
+    "llama-3-8b": model("llama-3-8b", "llama-3-8b"),
+    "qwen2-7b": model("qwen2-7b", "qwen2-7b"),
+    "qwen3-next": model("qwen3-next", "qwen3-next-80b-a3b", layers=4),
+}
+LLAMA_1K = model("llama-3-8b-1k", "llama-3-8b", ctx=1024)  # 128 MiB: a shard is more than the connection buffers
+SIX_HEADS = Contract("six-heads", 8, 64, (Carried("layers.0.k", 0, 8, 6 * 4, "float32", 6, 4),))
+
+
+@pytest.fixture
+def tp_broker(start_broker):
+    return start_broker(contracts={**MODELS, SIX_HEADS.model: SIX_HEADS, LLAMA_1K.model: LLAMA_1K}, lease=60.0)
+
+
+def push_all_ranks(client: HandoffClient, contract: Contract, handoff_id: str, full: dict, tp: int) -> None:
+    """Every rank of a prefill engine at TP size `tp` pushes its own part, each in its own stream, concurrently."""
+
+    def push(rank: int) -> None:
+        mine = shard_arrays(contract, full, Shard(rank, tp), pushing=True)
+        client.push(contract.model, handoff_id, 3, mine, shard=(rank, tp))
+
+    with futures.ThreadPoolExecutor(tp) as pool:
+        list(pool.map(push, range(tp)))
+
+
+def pull_all_ranks(client: HandoffClient, contract: Contract, handoff_id: str, tp: int) -> list:
+    with futures.ThreadPoolExecutor(tp) as pool:
+        return list(pool.map(lambda r: client.pull(contract.model, handoff_id, shard=(r, tp), timeout=20), range(tp)))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("push_tp,pull_tp", list(itertools.product(TP_SIZES, TP_SIZES)))
+def test_every_pair_of_tp_sizes_gives_each_decode_rank_its_heads_and_the_whole_back(tp_broker, name, push_tp, pull_tp):
+    contract = MODELS[name]
+    full = seeded_tensors(contract, seed=push_tp * 10 + pull_tp)
+    with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
+        push_all_ranks(client, contract, "req", full, push_tp)
+        pulled = pull_all_ranks(client, contract, "req", pull_tp)
+    for rank, handoff in enumerate(pulled):
+        assert handoff.position == 3
+        want = shard_arrays(contract, full, Shard(rank, pull_tp), pushing=False)
+        assert_same_bits(handoff.state, want)  # exactly its heads, contiguous, at (rows, heads/tp x head_dim)
+        assert all(a.flags.c_contiguous for a in handoff.state.values())
+    assert_same_bits(join_shards(contract, pulled, pull_tp).state, full)
+    assert_holds_nothing(tp_broker)
+
+
+def test_a_rank_holds_its_heads_or_a_replica_of_one_as_vllm_does():
+    qwen2 = MODELS["qwen2-7b"]  # 4 KV heads of 128
+    k = qwen2.tensor("layers.0.self_attn.k_cache")
+    assert (k.heads, k.head_dim) == (4, 128)
+    assert ShardContract.of(qwen2, Shard(1, 2), pushing=False).tensor(k.name).shape == (4, 256)
+    eight = [ShardContract.of(qwen2, Shard(r, 8), pushing=False).heads[0] for r in range(8)]
+    assert eight == [(0, 1), (0, 1), (1, 2), (1, 2), (2, 3), (2, 3), (3, 4), (3, 4)]
+    pushing = [k.name in ShardContract.of(qwen2, Shard(r, 8), pushing=True)._index for r in range(8)]
+    assert pushing == [True, False] * 4  # each head pushed once, by the first rank holding it
+    ring = "layers.0.linear_attn.conv_ring"
+    next_ = MODELS["qwen3-next"]
+    assert [ring in ShardContract.of(next_, Shard(r, 4), pushing=True)._index for r in range(4)] == [1, 0, 0, 0]
+    assert ShardContract.of(next_, Shard(3, 4), pushing=False).tensor(ring).shape == next_.tensor(ring).shape
+
+
+def test_the_hand_off_is_invisible_until_every_rank_has_pushed(tp_broker):
+    contract = MODELS["llama-3-8b"]
+    full = seeded_tensors(contract)
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(0, 2), pushing=True), shard=(0, 2))
+        with pytest.raises(WaitTimedOut):
+            client.pull(contract.model, "req", timeout=0.5)
+        with pytest.raises(WaitTimedOut):
+            client.pull(contract.model, "req", shard=(0, 4), timeout=0.5)
+        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(1, 2), pushing=True), shard=(1, 2))
+        assert_same_bits(client.pull(contract.model, "req").state, full)  # a TP=1 decoder gets it whole
+    assert_holds_nothing(tp_broker)
+
+
+def test_a_pull_waiting_before_the_push_gets_its_shard_once_every_rank_has_pushed(tp_broker):
+    contract = MODELS["qwen3-next"]
+    full = seeded_tensors(contract)
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        with futures.ThreadPoolExecutor(2) as pool:
+            waiting = [pool.submit(client.pull, contract.model, "req", shard=(r, 2)) for r in range(2)]
+            push_all_ranks(client, contract, "req", full, 4)
+            pulled = [w.result(timeout=20) for w in waiting]
+    assert_same_bits(join_shards(contract, pulled, 2).state, full)
+    assert_holds_nothing(tp_broker)
+
+
+def test_one_rank_pushing_what_is_not_its_own_frees_every_rank(tp_broker):
+    contract = MODELS["qwen3-next"]
+    full = seeded_tensors(contract)
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(0, 2), pushing=True), shard=(0, 2))
+        rank0 = shard_arrays(contract, full, Shard(0, 2), pushing=True)  # rank 1 sends rank 0's conv ring too
+        frames = [header_frame(contract, "req", position=3, shard=(1, 2)), *chunk_frames(contract, rank0, 1 << 16)]
+        error = raises_handoff_error(raw_push, tp_broker.address, frames)
+        assert isinstance(error, NotInShard)
+        assert error.tensor == "layers.0.linear_attn.conv_ring"
+        assert "not rank 1 of 2's to push: it is not split, and rank 0 pushes it" in error.message
+        assert_holds_nothing(tp_broker)  # rank 0's committed part went with it
+        push_all_ranks(client, contract, "req", full, 2)  # the whole push again, every rank
+        assert_same_bits(client.pull(contract.model, "req").state, full)
+
+
+def test_a_rank_still_pushing_when_another_fails_hears_that_the_hand_off_was_abandoned(tp_broker):
+    contract = MODELS["llama-3-8b"]
+    full = seeded_tensors(contract)
+    rank0 = shard_arrays(contract, full, Shard(0, 2), pushing=True)
+    frames = chunk_frames(contract, rank0, 1 << 16)
+    started, fail_now = threading.Event(), threading.Event()
+
+    def slow_rank0():
+        yield header_frame(contract, "req", position=3, shard=(0, 2))
+        yield frames[0]
+        started.set()
+        fail_now.wait(10)
+        yield from frames[1:]
+
+    with futures.ThreadPoolExecutor(1) as pool:
+        pushing = pool.submit(raises_handoff_error, raw_push, tp_broker.address, slow_rank0())
+        started.wait(10)
+        short = [header_frame(contract, "req", position=3, shard=(1, 2)), frames[0]]  # rank 1 stops after a chunk
+        assert isinstance(raises_handoff_error(raw_push, tp_broker.address, short), MissingTensor)
+        fail_now.set()
+        error = pushing.result(timeout=20)
+    assert isinstance(error, PushAborted)
+    assert "abandoned: another rank's push of it failed" in error.message
+    assert_holds_nothing(tp_broker)
+
+
+def test_each_shard_is_claimed_once_and_the_hand_off_is_freed_when_every_rank_has_confirmed(tp_broker):
+    contract = MODELS["llama-3-8b"]
+    full = seeded_tensors(contract)
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        client.push(contract.model, "req", 3, full)
+        stream = client.pull_tensors(contract.model, "req", shard=(0, 2))
+        arriving = iter(stream)
+        next(arriving)  # rank 0's shard is claimed and streaming
+        with pytest.raises(AlreadyClaimed, match=r"`req` \(rank 0 of 2\) is claimed"):
+            client.pull(contract.model, "req", shard=(0, 2), timeout=2)
+        one = client.pull(contract.model, "req", shard=(1, 2))
+        assert tp_broker.store.stats().resident_bytes > 0  # rank 0 has not confirmed: nothing is freed yet
+        list(arriving)
+        zero = stream.handoff
+        assert_same_bits(join_shards(contract, [zero, one], 2).state, full)
+        assert_holds_nothing(tp_broker)
+        with pytest.raises(HandoffGone):
+            client.pull(contract.model, "req", shard=(1, 2), timeout=2)
+
+
+def test_a_killed_decode_ranks_shard_can_be_pulled_again(tp_broker):
+    contract = LLAMA_1K
+    full = seeded_tensors(contract)
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        push_all_ranks(client, contract, "req", full, 4)
+        worker = subprocess.Popen(
+            [sys.executable, str(WORKERS), "pull-and-stall", tp_broker.address, contract.model, "req", "1", "2"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert worker.stdout.readline().strip() == "stalled"
+        assert tp_broker.store.stats().claimed == 1
+        worker.kill()
+        worker.wait(timeout=10)
+        wait_until(lambda: tp_broker.store.stats().claimed == 0)  # its stream broke (not a lease): the claim is back
+        pulled = pull_all_ranks(client, contract, "req", 2)
+    assert_same_bits(join_shards(contract, pulled, 2).state, full)
+    assert_holds_nothing(tp_broker)
+
+
+def test_every_rank_of_a_push_and_of_a_pull_uses_one_tp_size(tp_broker):
+    contract = MODELS["llama-3-8b"]
+    full = seeded_tensors(contract)
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(0, 2), pushing=True), shard=(0, 2))
+        error = raises_handoff_error(
+            client.push, contract.model, "req", 3, shard_arrays(contract, full, Shard(1, 4), pushing=True), shard=(1, 4)
+        )
+        assert isinstance(error, ShardMismatch)
+        assert error.message == (
+            "llama-3-8b: hand-off `req` is pushed at TP size 2, not 4; every rank of one hand-off's push uses the "
+            "same TP size"
+        )
+        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(1, 2), pushing=True), shard=(1, 2))
+        first = client.pull(contract.model, "req", shard=(0, 4))
+        with pytest.raises(ShardMismatch, match="is pulled at TP size 4, not 2"):
+            client.pull(contract.model, "req", shard=(1, 2), timeout=2)
+        rest = [client.pull(contract.model, "req", shard=(r, 4)) for r in (1, 2, 3)]
+    assert_same_bits(join_shards(contract, [first, *rest], 4).state, full)
+    assert_holds_nothing(tp_broker)
+
+
+def test_a_repeated_rank_push_changes_nothing_before_and_after_the_cut(tp_broker):
+    contract = MODELS["llama-3-8b"]
+    full = seeded_tensors(contract)
+    rank1 = shard_arrays(contract, full, Shard(1, 2), pushing=True)
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        push_all_ranks(client, contract, "req", full, 2)
+        assert client.push(contract.model, "req", 3, rank1, shard=(1, 2)).duplicate
+        first = client.pull(contract.model, "req", shard=(0, 2))
+        assert client.push(contract.model, "req", 3, rank1, shard=(1, 2)).duplicate  # recognised by its digest
+        second = client.pull(contract.model, "req", shard=(1, 2))
+    assert_same_bits(join_shards(contract, [first, second], 2).state, full)
+    assert_holds_nothing(tp_broker)
+
+
+def test_cancel_frees_every_rank_of_a_sharded_hand_off(tp_broker):
+    contract = MODELS["qwen2-7b"]
+    full = seeded_tensors(contract)
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        push_all_ranks(client, contract, "req", full, 2)
+        client.pull(contract.model, "req", shard=(0, 8))
+        assert client.cancel(contract.model, "req")
+        assert_holds_nothing(tp_broker)
+        with pytest.raises(HandoffCancelled):
+            client.pull(contract.model, "req", shard=(1, 8), timeout=2)
+
+
+def test_heads_that_the_tp_size_cannot_share_are_refused_by_name_on_both_sides(tp_broker):
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        arrays = {"layers.0.k": np.zeros((8, 6), np.float32)}
+        error = raises_handoff_error(client.push, SIX_HEADS.model, "req", 3, arrays, shard=(0, 4))
+        assert isinstance(error, ShardLayout)
+        assert error.message == (
+            "six-heads: `layers.0.k` has 6 heads, which a TP size of 4 cannot share: the TP size must divide the "
+            "heads, or the heads the TP size"
+        )
+        frames = [header_frame(SIX_HEADS, "req", position=3, shard=(0, 4))]
+        assert raises_handoff_error(raw_push, tp_broker.address, frames).message == error.message  # the broker's own
+        error = raises_handoff_error(client.pull, SIX_HEADS.model, "req", shard=(1, 4), timeout=2)
+        assert isinstance(error, ShardLayout) and error.tensor == "layers.0.k"
+        error = raises_handoff_error(raw_push, tp_broker.address, [header_frame(SIX_HEADS, "r", 3, shard=(2, 2))])
+        assert isinstance(error, ShardLayout) and "rank 2 of TP size 2" in error.message
+        client.push(SIX_HEADS.model, "req", 3, {"layers.0.k": np.ones((8, 12), np.float32)}, shard=(0, 2))
+    assert tp_broker.store.stats().receiving == 1  # the refusals changed nothing; the good rank 0 of 2 waits
+
+
+def test_a_rank_pushing_the_wrong_size_is_told_its_own_shape():
+    contract = MODELS["llama-3-8b"]
+    view = ShardContract.of(contract, Shard(1, 4), pushing=True)
+    k = view.tensor("layers.0.self_attn.k_cache")
+    assert (k.shape, k.heads) == ((4, 256), 2)
+    assert view.fingerprint == contract.fingerprint  # a rank pushes under the whole contract's fingerprint
+
+
+def test_a_rank_that_never_pushes_lets_the_others_expire_unclaimed(start_broker):
+    broker = start_broker(contracts=MODELS, ttl=0.5)
+    contract = MODELS["llama-3-8b"]
+    with HandoffClient(broker.address, timeout=20) as client:
+        rank0 = shard_arrays(contract, seeded_tensors(contract), Shard(0, 2), pushing=True)
+        client.push(contract.model, "req", 3, rank0, shard=(0, 2))
+        wait_until(lambda: broker.store.stats().resident_bytes == 0)
+        assert_holds_nothing(broker)
+        with pytest.raises(HandoffGone, match="expired"):
+            client.pull(contract.model, "req", shard=(0, 2), timeout=2)
