@@ -72,6 +72,8 @@ def manifest(model: str, nbytes: int) -> dict:
                     "rows": rows,
                     "cols": 1024,
                     "dtype": "bfloat16",
+                    "heads": 8,
+                    "head_dim": 128,
                 }
             )
             left -= rows
@@ -84,7 +86,15 @@ LLAMA3_8B_4K = {
     "ctx": 4096,
     "hidden": 4096,
     "carried": [
-        {"name": f"layers.{i}.self_attn.{kind}", "layer": i, "rows": 4096, "cols": 8 * 128, "dtype": "bfloat16"}
+        {
+            "name": f"layers.{i}.self_attn.{kind}",
+            "layer": i,
+            "rows": 4096,
+            "cols": 8 * 128,
+            "dtype": "bfloat16",
+            "heads": 8,
+            "head_dim": 128,
+        }
         for i in range(32)
         for kind in ("k_cache", "v_cache")
     ],
@@ -330,6 +340,29 @@ def role_handoff_consumer(target: str, model: str, key: str) -> None:
         state = pulled.handoff.state
         joined = np.concatenate([state[c.name].reshape(-1).view(np.uint8) for c in contract.carried])
         print(json.dumps({"t1": t1, "t_first": first, "crc": crc(joined)}))
+
+
+def role_handoff_ranks(target: str, model: str, key: str, side: str, tp: int) -> None:
+    """Every rank of a TP engine, one thread (and channel) each, pushing or pulling its shard of one hand-off."""
+    from handoff_client import HandoffClient, Shard, shard_arrays
+
+    clients = [HandoffClient(target, chunk_bytes=_chunk_bytes()) for _ in range(tp)]
+    contract = clients[0].get_contract(model)
+    full = _tensors(contract) if side == "push" else None
+    if side == "pull":
+        print("ready", flush=True)
+    t0 = time.monotonic()
+
+    def one(rank: int) -> None:
+        if side == "push":
+            mine = shard_arrays(contract, full, Shard(rank, tp), pushing=True)
+            clients[rank].push(model, key, 1, mine, shard=(rank, tp))
+        else:
+            clients[rank].pull(model, key, shard=(rank, tp), timeout=120)
+
+    with futures.ThreadPoolExecutor(tp) as pool:
+        list(pool.map(one, range(tp)))
+    print(json.dumps({"t0": t0, "t1": time.monotonic()}))
 
 
 def role_handoff_pairs(target: str, model: str, pairs: int, side: str, prefix: str) -> None:
@@ -599,6 +632,24 @@ class Bench:
             }
         relay.wait(timeout=30)
 
+    def resharding(self, model: str, nbytes: int) -> None:
+        """The same hand-off pushed and pulled whole, at equal TP sizes, and resharded 4 -> 2 (the broker copies)."""
+        rows = {}
+        for push_tp, pull_tp in ((1, 1), (2, 2), (4, 2)):
+            times = []
+            for run in range(self.runs):
+                key = f"tp-{push_tp}-{pull_tp}-{run}"
+                pullers = _spawn("handoff-ranks", self.target, model, key, "pull", pull_tp)
+                _wait_ready(pullers)
+                pushed = _result(_spawn("handoff-ranks", self.target, model, key, "push", push_tp))
+                times.append(_result(pullers)["t1"] - pushed["t0"])
+            rows[f"{push_tp} -> {pull_tp}"] = nbytes / MiB / statistics.median(times)
+        whole = rows["1 -> 1"]
+        self.results["resharding"] = {
+            "bytes": nbytes,
+            "paths": {name: {"mib_s": mib_s, "vs_whole": mib_s / whole} for name, mib_s in rows.items()},
+        }
+
     def concurrency(self, model: str, nbytes: int, levels: list[int]) -> None:
         for pairs in levels:
             prefix = f"conc-{pairs}"
@@ -648,6 +699,11 @@ def report(results: dict) -> str:
                 f"  {pairs:>3} pairs {figures['aggregate_mib_s']:>33.0f} {figures['slowest_pair_mib_s']:>14.0f}"
                 f" {figures['fastest_pair_mib_s']:>14.0f}"
             )
+    if "resharding" in results:
+        r = results["resharding"]
+        lines.append(f"\ntensor-parallel ranks, prefill TP -> decode TP ({r['bytes'] / MiB:.0f} MiB)   MiB/s   x whole")
+        for name, figures in r["paths"].items():
+            lines.append(f"  {name:<10} {figures['mib_s']:>36.0f} {figures['vs_whole']:>9.2f}")
     if "memory" in results:
         m = results["memory"]
         lines.append(
@@ -664,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ROLES:
         fn = ROLES[argv[0]]
         annotations = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
-        kinds = {k: int for k in ("port", "nbytes", "runs", "iterations", "pairs")}
+        kinds = {k: int for k in ("port", "nbytes", "runs", "iterations", "pairs", "tp")}
         fn(*[kinds.get(name, str)(value) for name, value in zip(annotations, argv[1:])])
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -693,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
             if not args.quick:
                 bench.throughput("Llama-3-8B, 4k ctx, bf16", LLAMA3_8B_4K["model"], 512 * MiB)
             bench.latency(64 << 10, 50 if args.quick else 300)
+            bench.resharding(
+                "bench-256mib" if not args.quick else "bench-16mib", 256 * MiB if not args.quick else 16 * MiB
+            )
             bench.concurrency(
                 "bench-16mib" if not args.quick else "bench-1mib",
                 16 * MiB if not args.quick else MiB,

@@ -30,4 +30,7 @@ def test_the_benchmark_runs_every_path_and_reports_sane_figures(tmp_path: Path):
     assert figures["latency"]["handoff"]["p50_ms"] <= figures["latency"]["handoff"]["p99_ms"]
     assert set(figures["concurrency"]) == {"1", "4"}
     assert figures["memory"]["bytes_held"] > 0
+    resharding = figures["resharding"]["paths"]
+    assert set(resharding) == {"1 -> 1", "2 -> 2", "4 -> 2"} and resharding["1 -> 1"]["vs_whole"] == 1.0
+    assert all(path["mib_s"] > 0 for path in resharding.values())
     assert "x tcp relay" in result.stdout
