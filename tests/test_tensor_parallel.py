@@ -26,6 +26,7 @@ from handoff_client import (
     HandoffCancelled,
     HandoffClient,
     HandoffGone,
+    ManifestError,
     MissingTensor,
     NotInShard,
     PushAborted,
@@ -309,3 +310,17 @@ def test_a_rank_that_never_pushes_lets_the_others_expire_unclaimed(start_broker)
         assert_holds_nothing(broker)
         with pytest.raises(HandoffGone, match="expired"):
             client.pull(contract.model, "req", shard=(0, 2), timeout=2)
+
+
+def test_a_manifest_states_heads_that_make_its_columns_and_they_cross_the_wire(tp_broker):
+    entry = {"name": "k", "layer": 0, "rows": 4, "cols": 8, "dtype": "float32"}
+    plain = Contract.from_json({"model": "m", "ctx": 4, "hidden": 8, "carried": [entry]})
+    assert "heads" not in plain.to_json()["carried"][0]  # a contract without heads keeps its fingerprint
+    split = Contract.from_json({"model": "m", "ctx": 4, "hidden": 8, "carried": [{**entry, "heads": 2, "head_dim": 4}]})
+    assert (split.carried[0].heads, split.carried[0].head_dim) == (2, 4)
+    assert split.fingerprint != plain.fingerprint
+    with pytest.raises(ManifestError, match=r"carried\[0\]\.heads: 3 heads x head_dim 4 must make its 8 columns"):
+        Contract.from_json({"model": "m", "ctx": 4, "hidden": 8, "carried": [{**entry, "heads": 3, "head_dim": 4}]})
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        served = client.get_contract("qwen2-7b")
+    assert served == MODELS["qwen2-7b"] and served.tensor("layers.0.self_attn.v_cache").heads == 4
