@@ -28,7 +28,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from ._contract import Carried, Contract, Handoff, TensorSpans
+from ._contract import Carried, Contract, Handoff, TensorSpans, check_array
 from ._errors import (
     AlreadyClaimed,
     BadChunk,
@@ -38,8 +38,10 @@ from ._errors import (
     FingerprintMismatch,
     HandoffError,
     MalformedRequest,
+    MissingTensor,
     PushAborted,
     UnknownHandoff,
+    WrongLayout,
     from_rpc_error,
 )
 from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
@@ -50,9 +52,12 @@ from ._wire import contract_from_proto, decode_pull_response, identity, message_
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = (4 << 20) - 1024
-"""Payload bytes per chunk: about 4 MiB, the size measured best, less room for the frame's few header bytes so a
-chunk frame fits gRPC's default 4 MiB message limit and a peer built from the .proto with default settings reads it."""
+DEFAULT_CHUNK_BYTES = (1 << 20) - 1024
+"""Payload bytes per chunk: 1 MiB less room for the frame's few header bytes. Measured end to end on 2-core
+machines (benchmarks/bench.py), 512 KiB to 2 MiB cost the least CPU: every copy gRPC's Python layer makes of a frame
+stays within a core's 2 MiB L2 cache, where 4 MiB frames spilled and cost ~15 % more CPU in all three processes;
+256 KiB paid more per message. Well under gRPC's default 4 MiB message limit, so a peer built from the .proto with
+default settings reads every frame."""
 
 DEFAULT_TIMEOUT = 60.0
 """Seconds a call may take, end to end, unless the caller says otherwise."""
@@ -315,19 +320,24 @@ class HandoffClient:
         timeout: float | None = None,
         ticket: str | None = None,
         shard: Shard | tuple[int, int] | None = None,
+        into: Mapping[str, np.ndarray] | None = None,
     ) -> Handoff:
         """Claim the hand-off (waiting up to `timeout` for its push), receive it whole, verify it, confirm it.
 
         A `ticket` (from the push) is checked to name this hand-off and this contract. `shard=(rank, tp)`: this is
         rank `rank` of a decode engine of `tp` ranks; it receives its heads of each split tensor as contiguous
-        `(rows, heads/tp × head_dim)` arrays and every tensor not split, whatever TP size pushed it."""
+        `(rows, heads/tp × head_dim)` arrays and every tensor not split, whatever TP size pushed it.
+
+        `into` names arrays the decoder already owns (its preallocated cache buffers), one per tensor it receives,
+        of the declared shape and dtype, C-contiguous and writable: the bytes land there and nothing is allocated.
+        What they hold is meaningless unless the pull returns."""
         if ticket is not None:
             fields = ticket_for(ticket, model, handoff_id)
             contract = self.get_contract(model)
             if fields["f"] != contract.fingerprint:
                 raise FingerprintMismatch(model, contract.fingerprint, fields["f"])
 
-        attempts = _PullAttempts(self, model, handoff_id, as_shard(model, shard))
+        attempts = _PullAttempts(self, model, handoff_id, as_shard(model, shard), into)
         return self._with_retries(attempts.run, attempts.retryable, timeout)
 
     def pull_tensors(
@@ -338,6 +348,7 @@ class HandoffClient:
         timeout: float | None = None,
         supersedes: int = 0,
         shard: Shard | tuple[int, int] | None = None,
+        into: Mapping[str, np.ndarray] | None = None,
     ) -> PulledTensors:
         """Claim the hand-off and yield `(carried, array)` as each tensor arrives whole, for a decoder that starts
         on layer 0 while later layers are still on the wire (the broker streams a push still under way).
@@ -353,8 +364,9 @@ class HandoffClient:
         deadline = self.timeout if timeout is None else timeout
         wire_shard = None if part.whole else pb.Shard(rank=part.rank, size=part.size)
         request = pb.PullRequest(model=model, handoff_id=handoff_id, supersedes=supersedes, shard=wire_shard)
+        arrays = _destinations(contract, into)  # checked before the claim: a bad buffer claims nothing
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)
-        return PulledTensors(self, contract, handoff_id, stream, deadline, wire_shard)
+        return PulledTensors(self, contract, handoff_id, stream, deadline, wire_shard, arrays)
 
     def _confirm_claim(
         self, model: str, handoff_id: str, claim: int, timeout: float, shard: pb.Shard | None = None
@@ -392,6 +404,23 @@ class HandoffClient:
                 time.sleep(delay)
 
 
+def _destinations(contract: Contract, into: Mapping[str, np.ndarray] | None) -> list[np.ndarray] | None:
+    """The caller's arrays for a pull, in contract order, each checked to take its tensor's bytes in place."""
+    if into is None:
+        return None
+    arrays = []
+    for carried in contract.carried:
+        array = into.get(carried.name)
+        if array is None:
+            raise MissingTensor(contract.model, carried.name)
+        check_array(contract.model, carried, array)
+        if not (array.flags.c_contiguous and array.flags.writeable):
+            raise WrongLayout(contract.model, carried.name, carried.layout(), "an array that is not C-contiguous "
+                              "and writable, which the pull cannot fill in place")  # fmt: skip
+        arrays.append(array)
+    return arrays
+
+
 def _missing(size: int, held: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
     """The [start, end) ranges of [0, size) that the sorted, disjoint `held` (offset, length) ranges leave out."""
     at = 0
@@ -407,17 +436,20 @@ class _PullAttempts:
     """Successive attempts at one pull. A retry names the claim its broken predecessor held, so the broker hands it
     over at once; and after a break, ALREADY_CLAIMED may be that very claim, not yet noticed dead: retry it too."""
 
-    def __init__(self, client: HandoffClient, model: str, handoff_id: str, shard: Shard) -> None:
+    def __init__(
+        self, client: HandoffClient, model: str, handoff_id: str, shard: Shard, into: Mapping[str, np.ndarray] | None
+    ) -> None:
         self.client = client
         self.model = model
         self.handoff_id = handoff_id
         self.shard = shard
+        self.into = into
         self.claim = 0
         self.broke = False
 
     def run(self, timeout: float) -> Handoff:
         tensors = self.client.pull_tensors(
-            self.model, self.handoff_id, timeout=timeout, supersedes=self.claim, shard=self.shard
+            self.model, self.handoff_id, timeout=timeout, supersedes=self.claim, shard=self.shard, into=self.into
         )
         try:
             for _ in tensors:
@@ -444,9 +476,11 @@ class PulledTensors:
         stream: Iterator,
         timeout: float,
         shard: pb.Shard | None = None,
+        arrays: list[np.ndarray] | None = None,
     ) -> None:
         self._client = client
         self._shard = shard
+        self._arrays = arrays
         self._contract = contract
         self._handoff_id = handoff_id
         self._stream = stream
@@ -482,7 +516,7 @@ class PulledTensors:
         self.claim = header.claim
         if header.fingerprint != contract.fingerprint:
             raise FingerprintMismatch(model, header.fingerprint, contract.fingerprint)
-        arrays = [np.empty(c.shape, c.numpy_dtype) for c in contract.carried]
+        arrays = self._arrays or [np.empty(c.shape, c.numpy_dtype) for c in contract.carried]
         flats = [a.reshape(-1).view(np.uint8) for a in arrays]
         spans = [TensorSpans(model, c) for c in contract.carried]
         entries: list[tuple[int, int, int, int]] = []

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
-from handoff_client import HandoffClient
+from handoff_client import HandoffClient, HandoffError
 from support import chunk_frames, header_frame, raw_push
 
 
@@ -112,3 +112,33 @@ def test_many_hand_offs_of_many_models_do_not_mix(broker, client: HandoffClient)
     for (model, handoff_id), tensors in reversed(sent.items()):
         assert_same_bits(client.pull(model, handoff_id).state, tensors)
     assert_holds_nothing(broker)
+
+
+def test_a_pull_lands_in_the_decoders_own_arrays(client: HandoffClient, broker):
+    contract = client.get_contract("demo-hybrid")
+    tensors = seeded_tensors(contract, seed=11)
+    client.push("demo-hybrid", "req", 5, tensors)
+    cache = {c.name: np.zeros(c.shape, c.numpy_dtype) for c in contract.carried}
+    handoff = client.pull("demo-hybrid", "req", into=cache)
+    assert all(handoff.state[name] is cache[name] for name in cache)  # filled in place, nothing allocated
+    assert_same_bits(cache, tensors)
+    assert_holds_nothing(broker)
+
+
+def test_arrays_a_pull_cannot_fill_in_place_are_refused_before_anything_is_claimed(client: HandoffClient, broker):
+    contract = client.get_contract("demo-hybrid")
+    client.push("demo-hybrid", "req", 5, seeded_tensors(contract))
+    first = contract.carried[0]
+    fine = {c.name: np.zeros(c.shape, c.numpy_dtype) for c in contract.carried}
+    strided = np.zeros((first.rows, first.cols * 2), first.numpy_dtype)[:, ::2]
+    for bad, reason in (
+        ({**fine, first.name: np.zeros((first.cols, first.rows), first.numpy_dtype)}, "WRONG_LAYOUT"),
+        ({**fine, first.name: np.zeros(first.shape, np.float32)}, "WRONG_LAYOUT"),
+        ({**fine, first.name: strided}, "WRONG_LAYOUT"),
+        ({k: v for k, v in fine.items() if k != first.name}, "MISSING_TENSOR"),
+    ):
+        with pytest.raises(HandoffError) as caught:
+            client.pull("demo-hybrid", "req", into=bad)
+        assert caught.value.reason == reason and caught.value.tensor == first.name
+    assert broker.store.stats().ready == 1  # nothing was claimed
+    assert_same_bits(client.pull("demo-hybrid", "req", into=fine).state, fine)
