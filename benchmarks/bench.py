@@ -13,7 +13,10 @@ verified at the consumer (CRC32C against the producer's). Paths:
     naive grpc    protobuf `bytes` chunks of 1 MiB, client-stream in, store, server-stream out
     handoff       handoff-broker end to end: a pusher process, the broker, a puller process, the client library;
                   the pull is made before the push, so the broker streams the push through as it is checked
-Throughput is bytes over (consumer done - producer start), the median of --runs. Ratios hold only within one run on
+    grpc floor    (latency only) handoff's three calls - a 2-message client stream, a 3-message server stream, a
+                  unary confirm - carrying the same bytes to a server that does nothing: what grpcio itself costs
+Every consumer allocates and touches its destination before the clock starts, as a decoder's preallocated cache is
+(handoff pulls `into=` it). Throughput is bytes over (consumer done - producer start), the median of --runs. Ratios hold only within one run on
 one machine: single runs vary by tens of percent on a shared 2-core box.
 """
 
@@ -38,6 +41,19 @@ import numpy as np
 
 MiB = 1 << 20
 RELAY_BUFFER = 4 * MiB
+FLOOR_PAYLOAD = bytes(64 << 10)
+
+
+def identity(message: bytes) -> bytes:
+    return message
+
+
+def _drained(requests, context) -> bytes:
+    for _ in requests:
+        pass
+    return b""
+
+
 HERE = Path(__file__).resolve()
 
 
@@ -255,6 +271,13 @@ def role_naive_grpc_relay(port_file: str) -> None:
                     "Pull": grpc.unary_stream_rpc_method_handler(
                         pull, pb.PullRequest.FromString, pb.PullResponse.SerializeToString
                     ),
+                    # The floor: handoff's three calls (a 2-message client stream, a 3-message server stream, a
+                    # unary confirm) with the same bytes and no work at all.
+                    "FloorPush": grpc.stream_unary_rpc_method_handler(_drained, identity, identity),
+                    "FloorPull": grpc.unary_stream_rpc_method_handler(
+                        lambda request, ctx: iter((b"h", FLOOR_PAYLOAD, b"e")), identity, identity
+                    ),
+                    "FloorConfirm": grpc.unary_unary_rpc_method_handler(lambda request, ctx: b"", identity, identity),
                 },
             ),
         )
@@ -437,6 +460,19 @@ def role_latency(kind: str, endpoint: str, nbytes: int, iterations: int) -> None
             t = time.perf_counter()
             r.command(b"RPUSH", f"lat-{i}".encode(), raw)
             r.command(b"BLPOP", f"lat-{i}".encode(), b"5")
+            seconds.append(time.perf_counter() - t)
+    elif kind == "grpc-floor":
+        channel, *_ = _naive_channel(int(endpoint))
+        push = channel.stream_unary("/naive.Relay/FloorPush", identity, identity)
+        pull = channel.unary_stream("/naive.Relay/FloorPull", identity, identity)
+        confirm = channel.unary_unary("/naive.Relay/FloorConfirm", identity, identity)
+        raw = data.tobytes()
+        for _ in range(iterations):
+            t = time.perf_counter()
+            push(iter((b"h", raw)))
+            for message in pull(b""):
+                out[: len(message)] = np.frombuffer(message, np.uint8)
+            confirm(b"")
             seconds.append(time.perf_counter() - t)
     elif kind == "naive-grpc":
         _, push, pull, pb = _naive_channel(int(endpoint))
@@ -632,7 +668,7 @@ class Bench:
         port_file = self.workdir / "tcp-latency.port"
         relay = _spawn("tcp-relay", port_file, iterations)
         kinds = {"tcp relay": ("tcp", _port_from(port_file)), "naive grpc": ("naive-grpc", self.naive_port),
-                 "handoff": ("handoff", self.target)}  # fmt: skip
+                 "grpc floor": ("grpc-floor", self.naive_port), "handoff": ("handoff", self.target)}  # fmt: skip
         if self.redis_port:
             kinds["redis relay"] = ("redis", self.redis_port)
         for label, (kind, endpoint) in kinds.items():

@@ -28,6 +28,7 @@ def test_the_benchmark_runs_every_path_and_reports_sane_figures(tmp_path: Path):
         assert paths["tcp relay"]["vs_tcp"] == 1.0
         assert row["broker_cpu_s_per_gib"] >= 0
     assert figures["latency"]["handoff"]["p50_ms"] <= figures["latency"]["handoff"]["p99_ms"]
+    assert figures["latency"]["grpc floor"]["p50_ms"] > 0
     assert set(figures["concurrency"]) == {"1", "4"}
     assert figures["memory"]["bytes_held"] > 0
     resharding = figures["resharding"]["paths"]
