@@ -61,6 +61,11 @@ class Metrics:
         self.cancels = Counter(
             "handoff_cancelled_total", "Hand-offs cancelled by the router.", ["model"], registry=registry
         )
+        self.resharded_bytes = Counter(
+            "handoff_resharded_bytes", "Bytes copied to cut hand-offs into another tensor-parallel size's shards "
+            "(heads that move between ranks; frames that match are forwarded, not counted).", ["model"],
+            registry=registry,
+        )  # fmt: skip
         self.push_seconds = Histogram(
             "handoff_push_duration_seconds", "From a push's header to its commit.", ["model"],
             buckets=DURATION_BUCKETS, registry=registry,
@@ -101,6 +106,9 @@ class Metrics:
     def claimed(self, model: str, waited: float | None) -> None:
         if waited is not None:
             self.wait_seconds.labels(model).observe(waited)
+
+    def resharded(self, model: str, copied: int) -> None:
+        self.resharded_bytes.labels(model).inc(copied)
 
     def confirmed(self, model: str, since_push: float) -> None:
         self.confirms.labels(model).inc()

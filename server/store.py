@@ -84,6 +84,7 @@ class StoreEvents(Protocol):
     def cancelled(self, model: str) -> None: ...
     def claimed(self, model: str, waited: float | None) -> None: ...
     def confirmed(self, model: str, since_push: float) -> None: ...
+    def resharded(self, model: str, copied: int) -> None: ...
 
 
 class _Unobserved:
@@ -624,6 +625,7 @@ class Store:
             self._free(entry, "cut")
         group.pushed = {}
         self._changed.notify_all()
+        self.events.resharded(group.key[0], extra)
         logger.info("hand-off %s/%s cut for %d pulling ranks (%d bytes copied)", *group.key, size, extra)
         return True
 
@@ -687,7 +689,8 @@ class Store:
                 if entry.generation != generation:
                     raise StaleClaim(model, handoff_id, generation, f"is superseded by claim {entry.generation}")
                 self._free(entry, "confirmed")
-                self.events.confirmed(model, self._clock() - entry.created)
+                if entry.group is None or entry.group.ended == "confirmed":  # a sharded one: when its last rank has
+                    self.events.confirmed(model, self._clock() - entry.created)
                 return
             tomb = self._tombstones.get(key)
             if tomb is None:

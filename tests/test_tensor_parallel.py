@@ -38,7 +38,7 @@ from handoff_client import (
     shard_arrays,
 )
 from handoff_client._contract import Carried
-from handoff_client._shards import ShardContract
+from handoff_client._shards import ShardContract, held_heads
 from test_claims import wait_until
 from support import chunk_frames, header_frame, raises_handoff_error, raw_push
 
@@ -67,6 +67,16 @@ SIX_HEADS = Contract("six-heads", 8, 64, (Carried("layers.0.k", 0, 8, 6 * 4, "fl
 @pytest.fixture
 def tp_broker(start_broker):
     return start_broker(contracts={**MODELS, SIX_HEADS.model: SIX_HEADS, LLAMA_1K.model: LLAMA_1K}, lease=60.0)
+
+
+def heads_move(contract: Contract, push_tp: int, pull_tp: int) -> bool:
+    """Whether some decode rank holds heads that no single prefill rank pushed as they are."""
+    for carried in contract.carried:
+        if carried.heads:
+            sent = {held_heads(contract.model, carried, Shard(r, push_tp)) for r in range(push_tp)}
+            if any(held_heads(contract.model, carried, Shard(r, pull_tp)) not in sent for r in range(pull_tp)):
+                return True
+    return False
 
 
 def push_all_ranks(client: HandoffClient, contract: Contract, handoff_id: str, full: dict, tp: int) -> None:
@@ -100,6 +110,9 @@ def test_every_pair_of_tp_sizes_gives_each_decode_rank_its_heads_and_the_whole_b
         assert all(a.flags.c_contiguous for a in handoff.state.values())
     assert_same_bits(join_shards(contract, pulled, pull_tp).state, full)
     assert_holds_nothing(tp_broker)
+    copied = tp_broker.registry.get_sample_value("handoff_resharded_bytes_total", {"model": name}) or 0
+    assert (copied > 0) == heads_move(contract, push_tp, pull_tp)  # else every frame is forwarded as it came
+    assert tp_broker.registry.get_sample_value("handoff_confirms_total", {"model": name}) == 1
 
 
 def test_a_rank_holds_its_heads_or_a_replica_of_one_as_vllm_does():
