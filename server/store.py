@@ -21,11 +21,7 @@ What it guarantees:
   What is gone leaves a tombstone for `tombstone_ttl`, so late callers hear *expired*, *cancelled* or
   *confirmed* rather than *unknown*, and a push retried after its hand-off was delivered is recognised.
 
-Tensor-parallel hand-offs (a `shard` on a push or a pull) are a group: each pushing rank's part is an entry of its
-own (under an internal key no caller can name), checked against that rank's view of the contract; the hand-off is
-whole once every pushing rank has committed. The first pull fixes the pulling TP size and cuts one entry per pulling
-rank (server/reshard.py); each is claimed, leased and confirmed on its own, exactly as a whole hand-off is, and the
-group is gone once every pulling rank has confirmed. Any rank's push failing, or any part expiring, frees the group.
+Tensor-parallel hand-offs (a `shard` on a push or a pull) are groups of such entries: server/groups.py.
 
 Plain Python: no gRPC in here. Streams are reached through `interrupt` callables (the service passes each call's
 cancel), always called outside the lock. Every method is thread-safe; a PushSession belongs to one stream.
@@ -42,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from handoff_client._contract import Contract, TensorSpans
-from handoff_client._shards import WHOLE, Shard, ShardContract
 from handoff_client._errors import (
     AlreadyClaimed,
     CapacityExhausted,
@@ -59,8 +54,9 @@ from handoff_client._errors import (
     UnknownModel,
     WaitTimedOut,
 )
+from handoff_client._shards import WHOLE, Shard, ShardContract
 
-from . import reshard
+from .groups import Group, TensorParallelGroups, part_key
 from .pushes import PushSession, StoredChunk, _NewPush, _RepeatPush
 
 logger = logging.getLogger(__name__)
@@ -138,42 +134,12 @@ class _Entry:
     created: float = 0.0
     committed_at: float = 0.0
     reserved: int = 0  # bytes of `max_bytes` this entry holds (a group's pulling ranks hold theirs in the group)
-    group: _Group | None = None  # the tensor-parallel hand-off this entry is one rank's part of
+    group: Group | None = None  # the tensor-parallel hand-off this entry is one rank's part of
     rank: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.contract.nbytes
-
-
-@dataclass(eq=False)
-class _Group:
-    """A hand-off pushed, or pulled, by tensor-parallel ranks: its pushing ranks' entries until the first pull, then
-    its pulling ranks' entries until each has confirmed."""
-
-    key: HandoffKey
-    contract: Contract
-    position: int
-    push_size: int
-    created: float
-    pushed: dict[int, _Entry] = field(default_factory=dict)
-    push_digests: dict[int, str] = field(default_factory=dict)  # kept after the cut, so a retried push is known
-    pull_size: int = 0  # fixed by the first pull
-    pulled: dict[int, _Entry] = field(default_factory=dict)
-    confirmed: set[int] = field(default_factory=set)
-    cutting: bool = False
-    reserved: int = 0
-    ended: str | None = None
-
-    @property
-    def complete(self) -> bool:
-        return len(self.pushed) == self.push_size and all(e.committed for e in self.pushed.values())
-
-
-def _part_key(key: HandoffKey, side: str, shard: Shard) -> HandoffKey:
-    """The internal key of one rank's part: the unit separator cannot appear in a caller's (printable) id."""
-    model, handoff_id = key
-    return model, f"{handoff_id}\x1f{side}:{shard.rank}/{shard.size}"
 
 
 @dataclass(frozen=True)
@@ -210,7 +176,7 @@ class StoreStats:
     draining: bool = False
 
 
-class Store:
+class Store(TensorParallelGroups):
     """Every hand-off the broker holds, by (model, handoff_id)."""
 
     def __init__(
@@ -227,7 +193,7 @@ class Store:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # an entry appeared, was released or freed; bytes freed
         self._entries: dict[HandoffKey, _Entry] = {}
-        self._groups: dict[HandoffKey, _Group] = {}
+        self._groups: dict[HandoffKey, Group] = {}
         self._tombstones: OrderedDict[HandoffKey, _Tombstone] = OrderedDict()
         self._resident = 0
         self._draining = False
@@ -322,7 +288,7 @@ class Store:
         whole.check_position(position)
         contract = whole if shard.whole else ShardContract.of(whole, shard, pushing=True)
         user_key = (model, handoff_id)
-        key = user_key if shard.whole else _part_key(user_key, "push", shard)
+        key = user_key if shard.whole else part_key(user_key, "push", shard)
         if resume:
             return self._resume(contract, key, position, interrupt)
         deadline = self._clock() + (0.0 if no_wait else wait)
@@ -372,7 +338,7 @@ class Store:
                 entry.reserved = entry.nbytes
                 if not shard.whole:
                     if group is None:
-                        group = self._groups[user_key] = _Group(user_key, whole, position, shard.size, entry.created)
+                        group = self._groups[user_key] = Group(user_key, whole, position, shard.size, entry.created)
                     group.pushed[shard.rank] = entry
                     entry.group, entry.rank = group, shard.rank
                 self._entries[key] = entry
@@ -382,22 +348,6 @@ class Store:
                 return session
         finally:
             _run(interrupts)
-
-    def _sharding_checks(self, key: HandoffKey, group: _Group | None, shard: Shard, position: int) -> str | None:
-        """Under the lock: refuse a push whose TP size differs from the hand-off's other ranks'; the digest a
-        retried push must repeat, when its rank's part has already been cut for pulling (else None)."""
-        model, handoff_id = key
-        if group is None:
-            if not shard.whole and key in self._entries:
-                raise ShardMismatch(model, handoff_id, "pushed", 1, shard.size)
-            return None
-        if group.push_size != shard.size:
-            raise ShardMismatch(model, handoff_id, "pushed", group.push_size, shard.size)
-        if group.position != position:
-            raise HandoffExists(model, handoff_id, f"was pushed at position {group.position}, not {position}")
-        if group.pull_size or group.cutting:
-            return group.push_digests.get(shard.rank, "")
-        return None
 
     def _resume(self, contract: Contract, key: HandoffKey, position: int, interrupt: Interrupt | None) -> PushSession:
         """Continue a broken resumable push: a new session on the same entry, its bytes and checks so far."""
@@ -558,8 +508,7 @@ class Store:
                 waited = self._clock() - started
                 if waited >= wait or not is_active() or self._closed.is_set():
                     if short_of_room and group is not None:
-                        extra = sum(reshard.plan(group.contract, _pushed(group), Shard(r, shard.size)).new_bytes
-                                    for r in range(shard.size))  # fmt: skip
+                        extra = self._cut_bytes(group, shard.size)
                         free = self.config.max_bytes - self._resident
                         raise CapacityExhausted(model, extra, free, self.config.max_bytes)
                     raise WaitTimedOut(model, handoff_id, waited)
@@ -579,55 +528,6 @@ class Store:
         return Claim(
             model, handoff_id, entry.generation, entry.position, entry.contract.fingerprint, entry.nbytes, chunks, entry
         )
-
-    def _adopt(self, entry: _Entry) -> _Group:
-        """Under the lock: a whole hand-off becomes a group of one pushing rank, for a sharded pull to cut."""
-        group = _Group(entry.key, entry.contract, entry.position, 1, entry.created, pushed={0: entry})
-        entry.group = group
-        self._groups[entry.key] = group
-        return group
-
-    def _cut(self, group: _Group, size: int) -> bool:
-        """Under the lock (released while copying): cut the group's pushed parts into `size` pulling ranks' parts,
-        and free the pushed parts. False, cutting nothing, when the copies would not fit in `max_bytes` now."""
-        pushed = _pushed(group)
-        plans = [reshard.plan(group.contract, pushed, Shard(rank, size)) for rank in range(size)]
-        extra = sum(p.new_bytes for p in plans)
-        if self._resident + extra > self.config.max_bytes:
-            return False
-        group.cutting = True
-        group.push_digests = {rank: entry.digest for rank, entry in group.pushed.items()}
-        self._resident += extra  # reserved before the copies are made
-        group.reserved += extra
-        self._lock.release()
-        try:
-            built = [reshard.build(p) for p in plans]
-        finally:
-            self._lock.acquire()
-            group.cutting = False
-        if group.ended is not None:
-            return True  # cancelled or lost meanwhile: the next look finds it gone
-        now = self._clock()
-        ttl = min(entry.ttl for entry in group.pushed.values())
-        for rank, (plan, (chunks, digest)) in enumerate(zip(plans, built)):
-            part = _Entry(_part_key(group.key, "pull", Shard(rank, size)), plan.view, group.position, ttl, None,
-                          threading.Condition(self._lock))  # fmt: skip
-            part.ordered = chunks
-            part.digest, part.committed, part.committed_at = digest, True, now
-            part.expires_at, part.created = now + ttl, group.created
-            part.group, part.rank = group, rank
-            self._entries[part.key] = part
-            group.pulled[rank] = part
-        group.pull_size = size
-        for entry in list(group.pushed.values()):
-            group.reserved += entry.reserved  # the pulling ranks' parts share these frames
-            self._resident += entry.reserved
-            self._free(entry, "cut")
-        group.pushed = {}
-        self._changed.notify_all()
-        self.events.resharded(group.key[0], extra)
-        logger.info("hand-off %s/%s cut for %d pulling ranks (%d bytes copied)", *group.key, size, extra)
-        return True
 
     def feed(self, claim: Claim, start: int, wait: float) -> tuple[list[StoredChunk], str | None]:
         """The claim's chunks from the `start`-th on, waiting up to `wait` s for more if the push is under way, and
@@ -681,7 +581,7 @@ class Store:
             if group is not None and group.pull_size and group.pull_size != shard.size:
                 raise ShardMismatch(model, handoff_id, "pulled", group.pull_size, shard.size)
             if (group is not None and group.pull_size) or not shard.whole:
-                key = _part_key(key, "pull", shard)
+                key = part_key(key, "pull", shard)
             entry = self._entries.get(key)
             if entry is not None:
                 if not entry.committed or not entry.claimed:
@@ -813,38 +713,9 @@ class Store:
                     interrupts += self._end_group(group, "confirmed", entry.generation)
         return interrupts
 
-    def _end_group(self, group: _Group, how: str, generation: int = 0) -> list[Interrupt]:
-        """The tensor-parallel hand-off is done with (every rank confirmed) or lost (a part failed, lapsed or was
-        cancelled): every part still held goes, and its bytes."""
-        group.ended = how
-        del self._groups[group.key]
-        parts = "abandoned" if how == "aborted" else how  # a sibling's pusher hears why at its next chunk
-        interrupts: list[Interrupt] = []
-        for entry in [*group.pushed.values(), *group.pulled.values()]:
-            if self._entries.get(entry.key) is entry:
-                interrupts += self._free(entry, parts)
-        self._resident -= group.reserved
-        group.reserved = 0
-        if how in ("expired", "cancelled", "confirmed"):
-            self._bury(group.key, how, generation if group.pull_size == 1 else 0, "")
-        self._changed.notify_all()
-        return interrupts
-
     def _bury(self, key: HandoffKey, how: str, generation: int, digest: str) -> None:
         self._tombstones.pop(key, None)
         self._tombstones[key] = _Tombstone(how, generation, digest, self._clock() + self.config.tombstone_ttl)
-
-
-def _pushed(group: _Group) -> reshard.Pushed:
-    """The pushed parts as the cut reads them: each rank's view of the contract (a whole push's is rank 0 of 1)."""
-    return {
-        rank: (
-            entry.contract if isinstance(entry.contract, ShardContract)
-            else ShardContract.of(entry.contract, WHOLE, pushing=True),
-            entry.by_tensor,
-        )
-        for rank, entry in group.pushed.items()
-    }  # fmt: skip
 
 
 def _run_later(interrupts: list[Interrupt]) -> None:

@@ -1,0 +1,183 @@
+"""Tensor-parallel hand-offs (a `shard` on a push or a pull) are a group: each pushing rank's part is an entry of its
+own (under an internal key no caller can name), checked against that rank's view of the contract; the hand-off is
+whole once every pushing rank has committed. The first pull fixes the pulling TP size and cuts one entry per pulling
+rank (server/reshard.py); each is claimed, leased and confirmed on its own, exactly as a whole hand-off is, and the
+group is gone once every pulling rank has confirmed. Any rank's push failing, or any part expiring, frees the group.
+
+These are the Store's methods for it (a mixin: they run under the store's lock, on its entries); the arithmetic of
+heads is handoff_client/_shards.py, the cut itself server/reshard.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from handoff_client._contract import Contract
+from handoff_client._errors import HandoffExists, ShardMismatch
+from handoff_client._shards import WHOLE, Shard, ShardContract
+
+from . import reshard
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .store import HandoffKey, Interrupt, StoreConfig, StoreEvents, _Entry, _Tombstone
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Group:
+    """A hand-off pushed, or pulled, by tensor-parallel ranks: its pushing ranks' entries until the first pull, then
+    its pulling ranks' entries until each has confirmed."""
+
+    key: HandoffKey
+    contract: Contract
+    position: int
+    push_size: int
+    created: float
+    pushed: dict[int, _Entry] = field(default_factory=dict)
+    push_digests: dict[int, str] = field(default_factory=dict)  # kept after the cut, so a retried push is known
+    pull_size: int = 0  # fixed by the first pull
+    pulled: dict[int, _Entry] = field(default_factory=dict)
+    confirmed: set[int] = field(default_factory=set)
+    cutting: bool = False
+    reserved: int = 0
+    ended: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.pushed) == self.push_size and all(e.committed for e in self.pushed.values())
+
+
+def part_key(key: HandoffKey, side: str, shard: Shard) -> HandoffKey:
+    """The internal key of one rank's part: the unit separator cannot appear in a caller's (printable) id."""
+    model, handoff_id = key
+    return model, f"{handoff_id}\x1f{side}:{shard.rank}/{shard.size}"
+
+
+class TensorParallelGroups:
+    """The store's handling of tensor-parallel groups; every method runs with the store's lock held."""
+
+    _lock: threading.Lock
+    _changed: threading.Condition
+    _entries: dict[HandoffKey, _Entry]
+    _groups: dict[HandoffKey, Group]
+    _tombstones: dict[HandoffKey, _Tombstone]
+    _resident: int
+    _clock: Callable[[], float]
+    config: StoreConfig
+    events: StoreEvents
+
+    def _free(self, entry: _Entry, how: str) -> list[Interrupt]:
+        raise NotImplementedError
+
+    def _bury(self, key: HandoffKey, how: str, generation: int, digest: str) -> None:
+        raise NotImplementedError
+
+    def _sharding_checks(self, key: HandoffKey, group: Group | None, shard: Shard, position: int) -> str | None:
+        """Under the lock: refuse a push whose TP size differs from the hand-off's other ranks'; the digest a
+        retried push must repeat, when its rank's part has already been cut for pulling (else None)."""
+        model, handoff_id = key
+        if group is None:
+            if not shard.whole and key in self._entries:
+                raise ShardMismatch(model, handoff_id, "pushed", 1, shard.size)
+            return None
+        if group.push_size != shard.size:
+            raise ShardMismatch(model, handoff_id, "pushed", group.push_size, shard.size)
+        if group.position != position:
+            raise HandoffExists(model, handoff_id, f"was pushed at position {group.position}, not {position}")
+        if group.pull_size or group.cutting:
+            return group.push_digests.get(shard.rank, "")
+        return None
+
+    def _adopt(self, entry: _Entry) -> Group:
+        """Under the lock: a whole hand-off becomes a group of one pushing rank, for a sharded pull to cut."""
+        group = Group(entry.key, entry.contract, entry.position, 1, entry.created, pushed={0: entry})
+        entry.group = group
+        self._groups[entry.key] = group
+        return group
+
+    def _cut(self, group: Group, size: int) -> bool:
+        """Under the lock (released while copying): cut the group's pushed parts into `size` pulling ranks' parts,
+        and free the pushed parts. False, cutting nothing, when the copies would not fit in `max_bytes` now."""
+        from .store import _Entry  # noqa: PLC0415 - store.py imports this module
+
+        plans = _plans(group, size)
+        extra = sum(p.new_bytes for p in plans)
+        if self._resident + extra > self.config.max_bytes:
+            return False
+        group.cutting = True
+        group.push_digests = {rank: entry.digest for rank, entry in group.pushed.items()}
+        self._resident += extra  # reserved before the copies are made
+        group.reserved += extra
+        self._lock.release()
+        try:
+            built = [reshard.build(p) for p in plans]
+        finally:
+            self._lock.acquire()
+            group.cutting = False
+        if group.ended is not None:
+            return True  # cancelled or lost meanwhile: the next look finds it gone
+        now = self._clock()
+        ttl = min(entry.ttl for entry in group.pushed.values())
+        for rank, (plan, (chunks, digest)) in enumerate(zip(plans, built)):
+            part = _Entry(part_key(group.key, "pull", Shard(rank, size)), plan.view, group.position, ttl, None,
+                          threading.Condition(self._lock))  # fmt: skip
+            part.ordered = chunks
+            part.digest, part.committed, part.committed_at = digest, True, now
+            part.expires_at, part.created = now + ttl, group.created
+            part.group, part.rank = group, rank
+            self._entries[part.key] = part
+            group.pulled[rank] = part
+        group.pull_size = size
+        for entry in list(group.pushed.values()):
+            group.reserved += entry.reserved  # the pulling ranks' parts share these frames
+            self._resident += entry.reserved
+            self._free(entry, "cut")
+        group.pushed = {}
+        self._changed.notify_all()
+        self.events.resharded(group.key[0], extra)
+        logger.info("hand-off %s/%s cut for %d pulling ranks (%d bytes copied)", *group.key, size, extra)
+        return True
+
+    def _cut_bytes(self, group: Group, size: int) -> int:
+        """What cutting the group for `size` pulling ranks would copy (and so reserve)."""
+        return sum(p.new_bytes for p in _plans(group, size))
+
+    def _end_group(self, group: Group, how: str, generation: int = 0) -> list[Interrupt]:
+        """The tensor-parallel hand-off is done with (every rank confirmed) or lost (a part failed, lapsed or was
+        cancelled): every part still held goes, and its bytes."""
+        group.ended = how
+        del self._groups[group.key]
+        parts = "abandoned" if how == "aborted" else how  # a sibling's pusher hears why at its next chunk
+        interrupts: list[Interrupt] = []
+        for entry in [*group.pushed.values(), *group.pulled.values()]:
+            if self._entries.get(entry.key) is entry:
+                interrupts += self._free(entry, parts)
+        self._resident -= group.reserved
+        group.reserved = 0
+        if how in ("expired", "cancelled", "confirmed"):
+            self._bury(group.key, how, generation if group.pull_size == 1 else 0, "")
+        self._changed.notify_all()
+        return interrupts
+
+
+def _pushed(group: Group) -> reshard.Pushed:
+    """The pushed parts as the cut reads them: each rank's view of the contract (a whole push's is rank 0 of 1)."""
+    return {
+        rank: (
+            entry.contract if isinstance(entry.contract, ShardContract)
+            else ShardContract.of(entry.contract, WHOLE, pushing=True),
+            entry.by_tensor,
+        )
+        for rank, entry in group.pushed.items()
+    }  # fmt: skip
+
+
+def _plans(group: Group, size: int) -> list[reshard.ShardPlan]:
+    pushed = _pushed(group)
+    return [reshard.plan(group.contract, pushed, Shard(rank, size)) for rank in range(size)]
