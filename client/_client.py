@@ -356,7 +356,7 @@ class HandoffClient:
         Nothing yielded may be kept unless the iteration ends normally: only then has every chunk been checked
         against the digest of a push that passed every check, and the claim been confirmed (`.handoff` is then
         the whole hand-off). If it raises — PushAborted when the push failed — discard what was yielded.
-        Not retried: the caller has already seen part of it.
+        Not retried: the caller has already seen part of it. `shard` and `into` as for `pull`.
         """
         whole = self.get_contract(model)
         part = as_shard(model, shard)

@@ -124,11 +124,12 @@ class TensorParallelGroups:
             return True  # cancelled or lost meanwhile: the next look finds it gone
         now = self._clock()
         ttl = min(entry.ttl for entry in group.pushed.values())
+        committed_at = max(entry.committed_at for entry in group.pushed.values())  # each rank's wait counts from it
         for rank, (plan, (chunks, digest)) in enumerate(zip(plans, built)):
             part = _Entry(part_key(group.key, "pull", Shard(rank, size)), plan.view, group.position, ttl, None,
                           threading.Condition(self._lock))  # fmt: skip
             part.ordered = chunks
-            part.digest, part.committed, part.committed_at = digest, True, now
+            part.digest, part.committed, part.committed_at = digest, True, committed_at
             part.expires_at, part.created = now + ttl, group.created
             part.group, part.rank = group, rank
             self._entries[part.key] = part
