@@ -185,15 +185,19 @@ class HandoffBrokerServicer:
     @_mapped_stream
     def PullHandoff(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         authorize_model(request.model)
-        claim = self.store.claim(
-            request.model,
-            request.handoff_id,
-            _wait_budget(context),
-            context.is_active,
-            interrupt=context.cancel,
-            supersedes=request.supersedes,
-            shard=_shard(request.model, request),
-        )
+        try:
+            claim = self.store.claim(
+                request.model,
+                request.handoff_id,
+                _wait_budget(context),
+                context.is_active,
+                interrupt=context.cancel,
+                supersedes=request.supersedes,
+                shard=_shard(request.model, request),
+            )
+        except HandoffError:
+            self.metrics.pulls.labels(self._model_label(request.model), "refused").inc()
+            raise
         started = time.monotonic()
         model = self._model_label(claim.model)
         progress = _Progress()
@@ -202,12 +206,10 @@ class HandoffBrokerServicer:
         def ended() -> None:  # however the call ends: a stream broken before its end returns the claim at once
             self.store.release(claim, progress.sent_all)
             self.metrics.streams.labels("pull").dec()
-            self.metrics.pulls.labels(model, "delivered" if progress.sent_all else progress.outcome).inc()
+            self.metrics.pulls.labels(model, "delivered" if progress.sent_all else "broken").inc()
 
         context.add_callback(ended)
-        progress.outcome = "refused"  # until the stream is under way, an error here is the broker's refusal
         yield _pull_header(claim, request.shard)
-        progress.outcome = "broken"
         fed = 0
         while True:
             chunks, digest = self.store.feed(claim, fed, _wait_budget(context))
@@ -269,11 +271,10 @@ class HandoffBrokerServicer:
 
 
 class _Progress:
-    __slots__ = ("sent_all", "outcome")
+    __slots__ = ("sent_all",)
 
     def __init__(self) -> None:
         self.sent_all = False
-        self.outcome = "broken"
 
 
 def _shard(model: str, request: pb.PushHeader | pb.PullRequest | pb.ConfirmRequest) -> Shard:

@@ -44,12 +44,14 @@ def test_traffic_moves_the_figures_a_dashboard_reads(start_broker, contracts):
         client.push("demo-hybrid", "expires", 1, tensors)
         client.push("demo-hybrid", "cancelled", 1, tensors)
         client.cancel("demo-hybrid", "cancelled")
+        raises_handoff_error(client.pull, "demo-hybrid", "cancelled", timeout=1)  # a refused pull
         wait_until(lambda: broker.store.stats().ready == 0)
     after = scrape(broker)
     assert value(after, "handoff_pushes_total", model="demo-hybrid", outcome="committed") == 3
     assert value(after, "handoff_pushes_total", model="demo-hybrid", outcome="duplicate") == 1
     assert value(after, "handoff_pushes_total", model="demo-hybrid", outcome="refused") == 1
     assert value(after, "handoff_pulls_total", model="demo-hybrid", outcome="delivered") == 1
+    assert value(after, "handoff_pulls_total", model="demo-hybrid", outcome="refused") == 1
     assert value(after, "handoff_rejections_total", model="demo-hybrid", reason="POSITION_OUT_OF_RANGE") == 1
     assert value(after, "handoff_rejections_total", model="unknown", reason="UNKNOWN_MODEL") == 1
     assert value(after, "handoff_received_bytes_total", model="demo-hybrid") == 4 * demo.nbytes
