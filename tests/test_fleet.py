@@ -9,9 +9,19 @@ from collections import Counter
 import pytest
 
 from conftest import assert_same_bits, seeded_tensors
-from handoff_client import BrokerUnavailable, FleetClient, HandoffClient, MalformedRequest, WaitTimedOut
+from handoff_client import (
+    BrokerUnavailable,
+    FleetClient,
+    HandoffClient,
+    MalformedRequest,
+    Shard,
+    WaitTimedOut,
+    join_shards,
+    shard_arrays,
+)
 from handoff_client._fleet import make_ticket, read_ticket, rendezvous
 from test_claims import wait_until
+from test_tensor_parallel import MODELS as TP_MODELS
 
 MODEL = "every-dtype"
 
@@ -122,3 +132,18 @@ def test_a_dns_name_is_resolved_to_the_broker_set(broker, contracts):
         assert f"127.0.0.1:{broker.port}" in client._set.brokers()
         client.push(MODEL, "via-dns", 1, tensors)
         assert_same_bits(client.pull(MODEL, "via-dns", timeout=5).state, tensors)
+
+
+def test_every_rank_of_a_tensor_parallel_hand_off_meets_at_one_broker(start_broker):
+    brokers = [start_broker(contracts=TP_MODELS) for _ in range(3)]
+    contract = TP_MODELS["qwen2-7b"]
+    full = seeded_tensors(contract)
+    with HandoffClient(target(brokers)) as prefill, HandoffClient(target(brokers)) as decode:
+        for i in range(6):  # ranks place by (model, id) alone, so all of one hand-off's ranks land together
+            for rank in range(2):
+                mine = shard_arrays(contract, full, Shard(rank, 2), pushing=True)
+                prefill.push(contract.model, f"r{i}", 3, mine, shard=(rank, 2))
+        for i in range(6):
+            pulled = [decode.pull(contract.model, f"r{i}", shard=(rank, 4)) for rank in range(4)]
+            assert_same_bits(join_shards(contract, pulled, 4).state, full)
+    assert all(b.store.stats().resident_bytes == 0 for b in brokers)
