@@ -22,6 +22,7 @@ from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_broker.architectures import contract_from_config
 from handoff_client import (
     AlreadyClaimed,
+    CallCancelled,
     Contract,
     HandoffCancelled,
     HandoffClient,
@@ -337,3 +338,56 @@ def test_a_manifest_states_heads_that_make_its_columns_and_they_cross_the_wire(t
     with HandoffClient(tp_broker.address, timeout=20) as client:
         served = client.get_contract("qwen2-7b")
     assert served == MODELS["qwen2-7b"] and served.tensor("layers.0.self_attn.v_cache").heads == 4
+
+
+def test_many_sharded_hand_offs_at_once_with_cancels_lose_and_double_nothing(tp_broker):
+    """Twelve hand-offs at once, each at its own pair of TP sizes, every rank a thread with its own connection; a
+    third are cancelled while in flight. Every other one reaches each decode rank exactly once, bit for bit."""
+    contract = MODELS["qwen3-next"]
+    sizes = list(itertools.product(TP_SIZES, TP_SIZES))
+    plan = {f"req-{i}": (sizes[(i * 5) % len(sizes)], i % 3 == 2) for i in range(12)}
+    full = {handoff_id: seeded_tensors(contract, seed=i) for i, handoff_id in enumerate(plan)}
+    delivered: dict[str, list] = {handoff_id: [] for handoff_id in plan}
+    lock = threading.Lock()
+
+    def push(handoff_id: str, rank: int, tp: int) -> None:
+        with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
+            mine = shard_arrays(contract, full[handoff_id], Shard(rank, tp), pushing=True)
+            try:
+                client.push(contract.model, handoff_id, 3, mine, shard=(rank, tp))
+            except (CallCancelled, HandoffGone, PushAborted):  # CallCancelled: the cancel cut its stream
+                assert plan[handoff_id][1], handoff_id  # only a cancelled hand-off's push may fail
+
+    def pull(handoff_id: str, rank: int, tp: int) -> None:
+        with HandoffClient(tp_broker.address, timeout=20) as client:
+            try:
+                got = client.pull(contract.model, handoff_id, shard=(rank, tp), timeout=15)
+            except (CallCancelled, HandoffGone, PushAborted):  # CallCancelled: the cancel cut its stream
+                assert plan[handoff_id][1], handoff_id
+                return
+        with lock:
+            delivered[handoff_id].append((rank, got))
+
+    def cancel(handoff_id: str) -> None:
+        with HandoffClient(tp_broker.address, timeout=20) as client:
+            client.cancel(contract.model, handoff_id)
+
+    with futures.ThreadPoolExecutor(64) as pool:
+        work = []
+        for handoff_id, ((push_tp, pull_tp), cancelled) in plan.items():
+            work += [pool.submit(pull, handoff_id, rank, pull_tp) for rank in range(pull_tp)]
+            work += [pool.submit(push, handoff_id, rank, push_tp) for rank in range(push_tp)]
+            if cancelled:
+                work.append(pool.submit(cancel, handoff_id))
+        for done in work:
+            done.result(timeout=60)
+    for handoff_id, ((_, pull_tp), cancelled) in plan.items():
+        ranks = sorted(rank for rank, _ in delivered[handoff_id])
+        if not cancelled:
+            assert ranks == list(range(pull_tp)), handoff_id  # each decode rank exactly once
+        if ranks == list(range(pull_tp)):  # a cancel that came too late changes nothing delivered
+            parts = [got for _, got in sorted(delivered[handoff_id], key=lambda x: x[0])]
+            assert_same_bits(join_shards(contract, parts, pull_tp).state, full[handoff_id])
+        else:
+            assert cancelled and len(set(ranks)) == len(ranks), handoff_id  # a cancelled one: never twice
+    assert_holds_nothing(tp_broker)
