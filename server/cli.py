@@ -179,7 +179,10 @@ def _check_contracts(args: argparse.Namespace) -> int:
             f"{contract.nbytes} bytes per hand-off, fingerprint {contract.fingerprint}"
         )
         for c in contract.carried:
-            print(f"  layer {c.layer:>3}  {c.name:<40} {c.rows:>7} x {c.cols:<6} {c.dtype:<14} {c.nbytes:>12} bytes")
+            split = f"  {c.heads} heads x {c.head_dim}" if c.heads else ""
+            print(
+                f"  layer {c.layer:>3}  {c.name:<40} {c.rows:>7} x {c.cols:<6} {c.dtype:<14} {c.nbytes:>12} bytes{split}"
+            )
     return 0
 
 

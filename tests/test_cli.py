@@ -14,6 +14,8 @@ from pathlib import Path
 from conftest import MANIFESTS, assert_same_bits, seeded_tensors
 from handoff_client import HandoffClient
 
+CONFIGS = Path(__file__).parent / "configs"
+
 COMMAND = [sys.executable, "-m", "handoff_broker.cli"]
 
 
@@ -130,6 +132,15 @@ def test_check_contracts_prints_each_contract_with_its_bytes_and_fingerprint(con
         in result.stdout
     )
     assert "layers.1.self_attn.k_cache" in result.stdout
+
+
+def test_check_contracts_shows_how_a_tensor_splits_by_head(tmp_path):
+    manifest = tmp_path / "m.json"
+    made = run("contract-from-config", str(CONFIGS / "qwen2-7b.json"), "--ctx", "16", "-o", str(manifest))
+    assert made.returncode == 0, made.stderr
+    result = run("check-contracts", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "layers.0.self_attn.k_cache" in result.stdout and "bytes  4 heads x 128" in result.stdout
 
 
 def test_the_client_needs_none_of_the_brokers_own_dependencies(broker):
