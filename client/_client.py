@@ -249,13 +249,12 @@ class HandoffClient:
         `shard=(rank, tp)`: this is rank `rank` of a prefill engine of `tp` ranks, and `tensors` are its own
         arrays (its heads of each split tensor, `(rows, heads/tp × head_dim)`; rank 0 also the tensors not split).
         Every rank pushes under the same id, concurrently; the hand-off is pullable once all have. A sharded push
-        that breaks is pushed again whole, not resumed.
+        that breaks is resumed like a whole one, rank by rank.
         """
         whole = self.get_contract(model)
         part = as_shard(model, shard)
         contract = whole if part.whole else ShardContract.of(whole, part, pushing=True)
         handoff = contract.take(position, tensors)
-        resumable = resumable and part.whole
 
         def header(resume: bool) -> bytes:
             message = pb.PushHeader(
@@ -275,7 +274,7 @@ class HandoffClient:
 
         def attempt(remaining: float) -> pb.PushResponse:
             attempts[0] += 1
-            held = self._held(model, handoff_id, remaining) if resumable and attempts[0] > 1 else None
+            held = self._held(model, handoff_id, remaining, part) if resumable and attempts[0] > 1 else None
             frames = self._push_frames(contract, header(resume=held is not None), handoff, held)
             return self._call(self._push, frames, remaining)
 
@@ -285,14 +284,26 @@ class HandoffClient:
             response.handoff_id, response.bytes, response.chunks, response.digest, response.duplicate, ticket
         )
 
-    def push_progress(self, model: str, handoff_id: str, *, timeout: float | None = None) -> pb.PushProgress:
-        """Which bytes of a push under way, or broken and kept, the broker holds."""
-        return self._call(self._progress, pb.PushProgressRequest(model=model, handoff_id=handoff_id), timeout)
+    def push_progress(
+        self,
+        model: str,
+        handoff_id: str,
+        *,
+        timeout: float | None = None,
+        shard: Shard | tuple[int, int] | None = None,
+    ) -> pb.PushProgress:
+        """Which bytes of a push under way, or broken and kept, the broker holds (of one rank's part, with `shard`)."""
+        part = as_shard(model, shard)
+        wire_shard = None if part.whole else pb.Shard(rank=part.rank, size=part.size)
+        request = pb.PushProgressRequest(model=model, handoff_id=handoff_id, shard=wire_shard)
+        return self._call(self._progress, request, timeout)
 
-    def _held(self, model: str, handoff_id: str, timeout: float) -> dict[str, list[tuple[int, int]]] | None:
+    def _held(
+        self, model: str, handoff_id: str, timeout: float, shard: Shard
+    ) -> dict[str, list[tuple[int, int]]] | None:
         """What the broker kept of our broken push, or None when there is nothing to resume (push it whole)."""
         try:
-            progress = self.push_progress(model, handoff_id, timeout=timeout)
+            progress = self.push_progress(model, handoff_id, timeout=timeout, shard=shard)
         except UnknownHandoff:
             return None
         if progress.complete:

@@ -260,11 +260,12 @@ class HandoffBrokerServicer:
     @_mapped
     def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:
         authorize_model(request.model)
-        committed, position, ranges = self.store.progress(request.model, request.handoff_id)
-        carried = self.store.contract(request.model).carried
+        committed, position, ranges = self.store.progress(
+            request.model, request.handoff_id, _shard(request.model, request)
+        )
         tensors = [
-            pb.TensorProgress(tensor=c.name, received=[pb.ByteRange(offset=o, length=n) for o, n in held])
-            for c, held in zip(carried, ranges)
+            pb.TensorProgress(tensor=name, received=[pb.ByteRange(offset=o, length=n) for o, n in held])
+            for name, held in ranges
             if held
         ]
         return pb.PushProgress(tensors=tensors, complete=committed, position=position)
@@ -277,7 +278,7 @@ class _Progress:
         self.sent_all = False
 
 
-def _shard(model: str, request: pb.PushHeader | pb.PullRequest | pb.ConfirmRequest) -> Shard:
+def _shard(model: str, request: pb.PushHeader | pb.PullRequest | pb.ConfirmRequest | pb.PushProgressRequest) -> Shard:
     """The request's shard; an absent one (or size 0, as a peer that leaves the field unset sends) is the whole."""
     if not request.HasField("shard") or request.shard.size == 0:
         return as_shard(model, None)

@@ -290,7 +290,7 @@ class Store(TensorParallelGroups):
         user_key = (model, handoff_id)
         key = user_key if shard.whole else part_key(user_key, "push", shard)
         if resume:
-            return self._resume(contract, key, position, interrupt)
+            return self._resume(contract, key, user_key, position, interrupt)
         deadline = self._clock() + (0.0 if no_wait else wait)
         interrupts: list[Interrupt] = []
         try:
@@ -349,9 +349,12 @@ class Store(TensorParallelGroups):
         finally:
             _run(interrupts)
 
-    def _resume(self, contract: Contract, key: HandoffKey, position: int, interrupt: Interrupt | None) -> PushSession:
-        """Continue a broken resumable push: a new session on the same entry, its bytes and checks so far."""
-        model, handoff_id = key
+    def _resume(
+        self, contract: Contract, key: HandoffKey, user_key: HandoffKey, position: int, interrupt: Interrupt | None
+    ) -> PushSession:
+        """Continue a broken resumable push (or one rank's part of one): a new session on the same entry, its bytes
+        and checks so far."""
+        model, handoff_id = user_key
         with self._lock:
             if self._draining:
                 raise Draining()
@@ -385,14 +388,19 @@ class Store(TensorParallelGroups):
             entry.push = None
             entry.suspended_until = self._clock() + self.config.resume_window
 
-    def progress(self, model: str, handoff_id: str) -> tuple[bool, int, list[list[tuple[int, int]]]]:
-        """(committed, position, each tensor's received ranges) of a push the broker holds, whole or in part."""
+    def progress(
+        self, model: str, handoff_id: str, shard: Shard = WHOLE
+    ) -> tuple[bool, int, list[tuple[str, list[tuple[int, int]]]]]:
+        """(committed, position, each tensor's name and received ranges) of a push the broker holds, whole or in
+        part; with a `shard`, of that rank's part of a sharded push (ranges within the rank's own arrays)."""
         self.contract(model)
+        key = (model, handoff_id) if shard.whole else part_key((model, handoff_id), "push", shard)
         with self._lock:
-            entry = self._entries.get((model, handoff_id))
+            entry = self._entries.get(key)
             if entry is None:
                 raise UnknownHandoff(model, handoff_id)
-            return entry.committed, entry.position, [spans.ranges() for spans in entry.spans]
+            ranges = [(c.name, spans.ranges()) for c, spans in zip(entry.contract.carried, entry.spans)]
+            return entry.committed, entry.position, ranges
 
     def _append(self, session: _NewPush, chunk: StoredChunk) -> None:
         with self._lock:

@@ -257,12 +257,14 @@ class CancelResponse(_message.Message):
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
 class PushProgressRequest(_message.Message):
-    __slots__ = ("model", "handoff_id")
+    __slots__ = ("model", "handoff_id", "shard")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ...) -> None: ...
+    shard: Shard
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ...) -> None: ...
 
 class TensorProgress(_message.Message):
     __slots__ = ("tensor", "received")
