@@ -35,6 +35,7 @@ from handoff_client import (
     ShardLayout,
     ShardMismatch,
     WaitTimedOut,
+    WrongLength,
     join_shards,
     shard_arrays,
 )
@@ -307,12 +308,20 @@ def test_heads_that_the_tp_size_cannot_share_are_refused_by_name_on_both_sides(t
     assert tp_broker.store.stats().receiving == 1  # the refusals changed nothing; the good rank 0 of 2 waits
 
 
-def test_a_rank_pushing_the_wrong_size_is_told_its_own_shape():
+def test_a_rank_pushing_the_whole_array_instead_of_its_heads_is_told_its_own_shape(tp_broker):
     contract = MODELS["llama-3-8b"]
     view = ShardContract.of(contract, Shard(1, 4), pushing=True)
     k = view.tensor("layers.0.self_attn.k_cache")
     assert (k.shape, k.heads) == ((4, 256), 2)
     assert view.fingerprint == contract.fingerprint  # a rank pushes under the whole contract's fingerprint
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        error = raises_handoff_error(client.push, contract.model, "req", 3, seeded_tensors(contract), shard=(1, 4))
+    assert isinstance(error, WrongLength) and error.tensor == k.name
+    assert error.message == (
+        "llama-3-8b: `layers.0.self_attn.k_cache` is 1024 values in the contract and 4096 in the hand-off "
+        "(2048 and 8192 bytes of bfloat16)"
+    )
+    assert_holds_nothing(tp_broker)
 
 
 def test_a_rank_that_never_pushes_lets_the_others_expire_unclaimed(start_broker):
