@@ -40,7 +40,7 @@ from handoff_client import (
     shard_arrays,
 )
 from handoff_client._contract import Carried
-from handoff_client._shards import ShardContract, held_heads
+from handoff_client._shards import ShardContract, held_heads, pushes
 from test_claims import wait_until
 from proxy import Proxy
 from support import chunk_frames, header_frame, raises_handoff_error, raw_push
@@ -125,12 +125,11 @@ def test_a_rank_holds_its_heads_or_a_replica_of_one_as_vllm_does():
     assert ShardContract.of(qwen2, Shard(1, 2), pushing=False).tensor(k.name).shape == (4, 256)
     eight = [ShardContract.of(qwen2, Shard(r, 8), pushing=False).heads[0] for r in range(8)]
     assert eight == [(0, 1), (0, 1), (1, 2), (1, 2), (2, 3), (2, 3), (3, 4), (3, 4)]
-    pushing = [k.name in ShardContract.of(qwen2, Shard(r, 8), pushing=True)._index for r in range(8)]
-    assert pushing == [True, False] * 4  # each head pushed once, by the first rank holding it
-    ring = "layers.0.linear_attn.conv_ring"
+    assert [pushes(qwen2.model, k, Shard(r, 8)) for r in range(8)] == [True, False] * 4  # once, by its first holder
     next_ = MODELS["qwen3-next"]
-    assert [ring in ShardContract.of(next_, Shard(r, 4), pushing=True)._index for r in range(4)] == [1, 0, 0, 0]
-    assert ShardContract.of(next_, Shard(3, 4), pushing=False).tensor(ring).shape == next_.tensor(ring).shape
+    ring = next_.tensor("layers.0.linear_attn.conv_ring")  # not split: rank 0 pushes it, every rank pulls it whole
+    assert [pushes(next_.model, ring, Shard(r, 4)) for r in range(4)] == [True, False, False, False]
+    assert ShardContract.of(next_, Shard(3, 4), pushing=False).tensor(ring.name).shape == ring.shape
 
 
 def test_the_hand_off_is_invisible_until_every_rank_has_pushed(tp_broker):
