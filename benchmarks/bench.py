@@ -646,15 +646,20 @@ class Bench:
         }
 
     def peak_memory(self, model: str, nbytes: int) -> None:
-        """Push whole first, then pull: the broker holds all of it; its peak RSS against the bytes held."""
+        """Push whole first, then pull: the broker holds all of it; its peak RSS against the bytes held, and its CPU
+        per GiB when it is not sharing two cores with a pusher and a puller at once."""
         time.sleep(1.0)  # the broker hands freed memory back on the sweep after its store empties
         _reset_peak(self.broker.pid)
         base = _rss(self.broker.pid)[0]
+        cpu = _cpu_seconds(self.broker.pid)
         _result(_spawn("handoff-producer", self.target, model, "held"))
+        cpu_push = _cpu_seconds(self.broker.pid) - cpu
         held_rss = _rss(self.broker.pid)[0]
         consumer = _spawn("handoff-consumer", self.target, model, "held")
         _wait_ready(consumer)
+        cpu = _cpu_seconds(self.broker.pid)
         _result(consumer)
+        cpu_pull = _cpu_seconds(self.broker.pid) - cpu
         peak = _rss(self.broker.pid)[1]
         self.results["memory"] = {
             "bytes_held": nbytes,
@@ -662,6 +667,7 @@ class Bench:
             "rss_holding_mib": held_rss / MiB,
             "peak_rss_mib": peak / MiB,
             "peak_over_base_vs_held": (peak - base) / nbytes,
+            "broker_cpu_s_per_gib_push_then_pull": (cpu_push + cpu_pull) / (nbytes / (1 << 30)),
         }
 
     def latency(self, nbytes: int, iterations: int) -> None:
@@ -756,7 +762,8 @@ def report(results: dict) -> str:
         lines.append(
             f"\nbroker memory holding {m['bytes_held'] / MiB:.0f} MiB: RSS {m['rss_before_mib']:.0f} MiB before, "
             f"{m['rss_holding_mib']:.0f} MiB holding, peak {m['peak_rss_mib']:.0f} MiB "
-            f"(peak - before = {m['peak_over_base_vs_held']:.2f} x the bytes held)"
+            f"(peak - before = {m['peak_over_base_vs_held']:.2f} x the bytes held); broker CPU "
+            f"{m['broker_cpu_s_per_gib_push_then_pull']:.2f} s per GiB for that push then pull, one at a time"
         )
     lines += [f"note: {n}" for n in results["notes"]]
     return "\n".join(lines)
