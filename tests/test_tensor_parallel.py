@@ -421,3 +421,25 @@ def test_a_rank_whose_connection_breaks_resumes_its_own_part_and_sends_only_the_
         client.push(contract.model, "req", 3, rank1, shard=(1, 2))
         assert_same_bits(client.pull(contract.model, "req").state, full)
     assert_holds_nothing(tp_broker)
+
+
+def test_a_draining_broker_lets_the_other_ranks_of_a_push_under_way_finish_and_hands_it_over(start_broker):
+    broker = start_broker(contracts=MODELS)
+    contract = MODELS["llama-3-8b"]
+    full = seeded_tensors(contract)
+    with HandoffClient(broker.address, timeout=20) as client:
+        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(0, 2), pushing=True), shard=(0, 2))
+        result: dict = {}
+        stopping = threading.Thread(target=lambda: result.update(stats=broker.stop(grace=10)))
+        stopping.start()
+        wait_until(lambda: broker.store.stats().draining)
+        error = raises_handoff_error(client.push, contract.model, "new", 3, full)
+        assert error.reason == "DRAINING"  # new work goes elsewhere ...
+        rank1 = shard_arrays(contract, full, Shard(1, 2), pushing=True)
+        client.push(contract.model, "req", 3, rank1, shard=(1, 2))  # ... but a rank of a push under way is let in
+        pulled = pull_all_ranks(client, contract, "req", 4)
+        stopping.join(15)
+    assert not stopping.is_alive()
+    assert_same_bits(join_shards(contract, pulled, 4).state, full)
+    stats = result["stats"]
+    assert (stats.receiving, stats.ready, stats.claimed, stats.resident_bytes) == (0, 0, 0, 0)
