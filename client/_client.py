@@ -46,9 +46,9 @@ from ._errors import (
 )
 from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
 from ._frames import ChunkFrame, crc32c, encode_chunk, handoff_digest
-from ._shards import Shard, ShardContract, as_shard
+from ._shards import Shard, as_shard, view
 from ._proto import handoff_pb2 as pb
-from ._wire import contract_from_proto, decode_pull_response, identity, message_classes, method_path
+from ._wire import contract_from_proto, decode_pull_response, identity, message_classes, method_path, shard_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -251,9 +251,8 @@ class HandoffClient:
         Every rank pushes under the same id, concurrently; the hand-off is pullable once all have. A sharded push
         that breaks is resumed like a whole one, rank by rank.
         """
-        whole = self.get_contract(model)
         part = as_shard(model, shard)
-        contract = whole if part.whole else ShardContract.of(whole, part, pushing=True)
+        contract = view(self.get_contract(model), part, pushing=True)
         handoff = contract.take(position, tensors)
 
         def header(resume: bool) -> bytes:
@@ -266,7 +265,7 @@ class HandoffClient:
                 no_wait=not wait_for_room,
                 resumable=resumable,
                 resume=resume,
-                shard=None if part.whole else pb.Shard(rank=part.rank, size=part.size),
+                shard=shard_to_proto(part),
             )
             return pb.PushRequest(header=message).SerializeToString()
 
@@ -293,9 +292,9 @@ class HandoffClient:
         shard: Shard | tuple[int, int] | None = None,
     ) -> pb.PushProgress:
         """Which bytes of a push under way, or broken and kept, the broker holds (of one rank's part, with `shard`)."""
-        part = as_shard(model, shard)
-        wire_shard = None if part.whole else pb.Shard(rank=part.rank, size=part.size)
-        request = pb.PushProgressRequest(model=model, handoff_id=handoff_id, shard=wire_shard)
+        request = pb.PushProgressRequest(
+            model=model, handoff_id=handoff_id, shard=shard_to_proto(as_shard(model, shard))
+        )
         return self._call(self._progress, request, timeout)
 
     def _held(
@@ -369,11 +368,10 @@ class HandoffClient:
         the whole hand-off). If it raises — PushAborted when the push failed — discard what was yielded.
         Not retried: the caller has already seen part of it. `shard` and `into` as for `pull`.
         """
-        whole = self.get_contract(model)
         part = as_shard(model, shard)
-        contract = whole if part.whole else ShardContract.of(whole, part, pushing=False)
+        contract = view(self.get_contract(model), part, pushing=False)
         deadline = self.timeout if timeout is None else timeout
-        wire_shard = None if part.whole else pb.Shard(rank=part.rank, size=part.size)
+        wire_shard = shard_to_proto(part)
         request = pb.PullRequest(model=model, handoff_id=handoff_id, supersedes=supersedes, shard=wire_shard)
         arrays = _destinations(contract, into)  # checked before the claim: a bad buffer claims nothing
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)

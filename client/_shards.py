@@ -130,6 +130,11 @@ class ShardContract(Contract):
         raise NotInShard(self.model, name, self.shard.rank, self.shard.size, why)
 
 
+def view(contract: Contract, shard: Shard, *, pushing: bool) -> Contract:
+    """What `shard` pushes (or pulls) as a contract: the contract itself for the whole hand-off, else its view."""
+    return contract if shard.whole else ShardContract.of(contract, shard, pushing=pushing)
+
+
 def shard_arrays(contract: Contract, tensors: Mapping[str, np.ndarray], shard: Shard, *, pushing: bool) -> dict:
     """`shard`'s arrays cut from whole ones: its heads of each split tensor as contiguous arrays, and (when pulling,
     or for rank 0 when pushing) the tensors not split. What a TP engine's rank holds, made from a TP=1 hand-off."""

@@ -11,6 +11,7 @@ from google.protobuf import message_factory
 from ._contract import Carried, Contract
 from ._frames import ChunkFrame, decode_chunk, encode_chunk
 from ._proto import handoff_pb2 as pb
+from ._shards import Shard, as_shard
 
 SERVICE = pb.DESCRIPTOR.services_by_name["HandoffBroker"]
 SERVICE_NAME = SERVICE.full_name
@@ -51,6 +52,20 @@ def contract_from_proto(message: pb.Contract) -> Contract:
     return Contract(message.model, message.ctx, message.hidden, carried)
 
 
+def shard_to_proto(shard: Shard) -> pb.Shard | None:
+    """The wire's shard: absent for the whole hand-off."""
+    return None if shard.whole else pb.Shard(rank=shard.rank, size=shard.size)
+
+
+def shard_from_proto(
+    model: str, message: pb.PushHeader | pb.PullRequest | pb.ConfirmRequest | pb.PushProgressRequest
+) -> Shard:
+    """A request's shard; an absent one (or size 0, as a peer that leaves the field unset sends) is the whole."""
+    if not message.HasField("shard") or message.shard.size == 0:
+        return as_shard(model, None)
+    return as_shard(model, (message.shard.rank, message.shard.size))
+
+
 def decode_push_request(frame: bytes) -> pb.PushHeader | ChunkFrame | Malformed:
     """A push stream's message: a header, a chunk (parsed in place), or why it is neither.
 
@@ -68,9 +83,7 @@ def decode_push_request(frame: bytes) -> pb.PushHeader | ChunkFrame | Malformed:
     if kind == "header":
         return request.header
     if kind == "chunk":
-        c = request.chunk
-        canonical = encode_chunk(c.tensor, c.offset, c.data, c.crc32c)  # re-framed so a puller can get it verbatim
-        return decode_chunk(canonical) or Malformed("a chunk that cannot be re-framed")
+        return _reframed(request.chunk) or Malformed("a chunk that cannot be re-framed")
     return Malformed("a push message with neither a header nor a chunk")
 
 
@@ -86,9 +99,14 @@ def decode_pull_response(frame: bytes) -> pb.PullHeader | pb.PullEnd | ChunkFram
     if kind == "end":
         return response.end
     if kind == "chunk":
-        c = response.chunk
-        return decode_chunk(encode_chunk(c.tensor, c.offset, c.data, c.crc32c))  # type: ignore[return-value]
+        return _reframed(response.chunk)  # type: ignore[return-value]
     raise ValueError("a pull message with neither a header, a chunk nor an end")
+
+
+def _reframed(chunk: pb.Chunk) -> ChunkFrame | None:
+    """A chunk some encoder framed differently (other field order, defaults written), in the canonical frame the
+    fast path reads, so the broker can forward it verbatim like any other."""
+    return decode_chunk(encode_chunk(chunk.tensor, chunk.offset, chunk.data, chunk.crc32c))
 
 
 class Malformed:

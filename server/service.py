@@ -17,8 +17,15 @@ from grpc_status import rpc_status
 from handoff_client._errors import HandoffError, InternalError, MalformedRequest, MessageTooLarge, to_status
 from handoff_client._frames import ChunkFrame
 from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._shards import Shard, as_shard
-from handoff_client._wire import SERVICE, Malformed, contract_to_proto, decode_push_request, identity, message_classes
+from handoff_client._wire import (
+    SERVICE,
+    Malformed,
+    contract_to_proto,
+    decode_push_request,
+    identity,
+    message_classes,
+    shard_from_proto,
+)
 
 from .auth import authorize_model, may_see
 from .metrics import Metrics
@@ -137,7 +144,7 @@ class HandoffBrokerServicer:
                 interrupt=context.cancel,
                 resumable=header.resumable,
                 resume=header.resume,
-                shard=_shard(header.model, header),
+                shard=shard_from_proto(header.model, header),
             )
             try:
                 for message in requests:
@@ -193,7 +200,7 @@ class HandoffBrokerServicer:
                 context.is_active,
                 interrupt=context.cancel,
                 supersedes=request.supersedes,
-                shard=_shard(request.model, request),
+                shard=shard_from_proto(request.model, request),
             )
         except HandoffError:
             self.metrics.pulls.labels(self._model_label(request.model), "refused").inc()
@@ -231,7 +238,7 @@ class HandoffBrokerServicer:
     @_mapped
     def ConfirmHandoff(self, request: pb.ConfirmRequest, context: grpc.ServicerContext) -> pb.ConfirmResponse:
         authorize_model(request.model)
-        self.store.confirm(request.model, request.handoff_id, request.claim, _shard(request.model, request))
+        self.store.confirm(request.model, request.handoff_id, request.claim, shard_from_proto(request.model, request))
         logger.info("confirmed %s/%s by claim %d", request.model, request.handoff_id, request.claim)
         return pb.ConfirmResponse()
 
@@ -261,7 +268,7 @@ class HandoffBrokerServicer:
     def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:
         authorize_model(request.model)
         committed, position, ranges = self.store.progress(
-            request.model, request.handoff_id, _shard(request.model, request)
+            request.model, request.handoff_id, shard_from_proto(request.model, request)
         )
         tensors = [
             pb.TensorProgress(tensor=name, received=[pb.ByteRange(offset=o, length=n) for o, n in held])
@@ -276,13 +283,6 @@ class _Progress:
 
     def __init__(self) -> None:
         self.sent_all = False
-
-
-def _shard(model: str, request: pb.PushHeader | pb.PullRequest | pb.ConfirmRequest | pb.PushProgressRequest) -> Shard:
-    """The request's shard; an absent one (or size 0, as a peer that leaves the field unset sends) is the whole."""
-    if not request.HasField("shard") or request.shard.size == 0:
-        return as_shard(model, None)
-    return as_shard(model, (request.shard.rank, request.shard.size))
 
 
 def _pull_header(claim: Claim, shard: pb.Shard) -> bytes:

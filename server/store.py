@@ -54,7 +54,7 @@ from handoff_client._errors import (
     UnknownModel,
     WaitTimedOut,
 )
-from handoff_client._shards import WHOLE, Shard, ShardContract
+from handoff_client._shards import WHOLE, Shard, ShardContract, view
 
 from .groups import Group, TensorParallelGroups, part_key
 from .pushes import PushSession, StoredChunk, _NewPush, _RepeatPush
@@ -286,7 +286,7 @@ class Store(TensorParallelGroups):
         if fingerprint != whole.fingerprint:
             raise FingerprintMismatch(model, whole.fingerprint, fingerprint)
         whole.check_position(position)
-        contract = whole if shard.whole else ShardContract.of(whole, shard, pushing=True)
+        contract = view(whole, shard, pushing=True)
         user_key = (model, handoff_id)
         key = user_key if shard.whole else part_key(user_key, "push", shard)
         if resume:
@@ -434,13 +434,13 @@ class Store(TensorParallelGroups):
                 entry.push_interrupt = None  # the push's own handler is failing it: its call ends with its own status
                 self._free(entry, "aborted")
 
-    def _owned(self, session: PushSession) -> _Entry:
+    def _owned(self, session: _NewPush) -> _Entry:
         """Under the lock: the session's entry, if it is still its own (not cancelled, not replaced by a retry)."""
         entry = self._entries.get(session.key)
         if entry is None or entry.push is not session:
             model, handoff_id = session.key
-            mine = getattr(session, "entry", None)
-            if mine is not None and mine.group is not None:
+            mine = session.entry
+            if mine.group is not None:
                 model, handoff_id = mine.group.key
                 if mine.ended == "abandoned":
                     raise PushAborted(model, handoff_id, "was abandoned: another rank's push of it failed or lapsed; "
