@@ -82,15 +82,16 @@ def heads_move(contract: Contract, push_tp: int, pull_tp: int) -> bool:
     return False
 
 
+def push_rank(client: HandoffClient, contract: Contract, handoff_id: str, full: dict, rank: int, tp: int) -> None:
+    """Rank `rank` of a prefill engine at TP size `tp` pushes its own part of `full` (after 3 tokens)."""
+    mine = shard_arrays(contract, full, Shard(rank, tp), pushing=True)
+    client.push(contract.model, handoff_id, 3, mine, shard=(rank, tp))
+
+
 def push_all_ranks(client: HandoffClient, contract: Contract, handoff_id: str, full: dict, tp: int) -> None:
     """Every rank of a prefill engine at TP size `tp` pushes its own part, each in its own stream, concurrently."""
-
-    def push(rank: int) -> None:
-        mine = shard_arrays(contract, full, Shard(rank, tp), pushing=True)
-        client.push(contract.model, handoff_id, 3, mine, shard=(rank, tp))
-
     with futures.ThreadPoolExecutor(tp) as pool:
-        list(pool.map(push, range(tp)))
+        list(pool.map(lambda rank: push_rank(client, contract, handoff_id, full, rank, tp), range(tp)))
 
 
 def pull_all_ranks(client: HandoffClient, contract: Contract, handoff_id: str, tp: int) -> list:
@@ -136,12 +137,12 @@ def test_the_hand_off_is_invisible_until_every_rank_has_pushed(tp_broker):
     contract = MODELS["llama-3-8b"]
     full = seeded_tensors(contract)
     with HandoffClient(tp_broker.address, timeout=20) as client:
-        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(0, 2), pushing=True), shard=(0, 2))
+        push_rank(client, contract, "req", full, 0, 2)
         with pytest.raises(WaitTimedOut):
             client.pull(contract.model, "req", timeout=0.5)
         with pytest.raises(WaitTimedOut):
             client.pull(contract.model, "req", shard=(0, 4), timeout=0.5)
-        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(1, 2), pushing=True), shard=(1, 2))
+        push_rank(client, contract, "req", full, 1, 2)
         assert_same_bits(client.pull(contract.model, "req").state, full)  # a TP=1 decoder gets it whole
     assert_holds_nothing(tp_broker)
 
@@ -162,7 +163,7 @@ def test_one_rank_pushing_what_is_not_its_own_frees_every_rank(tp_broker):
     contract = MODELS["qwen3-next"]
     full = seeded_tensors(contract)
     with HandoffClient(tp_broker.address, timeout=20) as client:
-        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(0, 2), pushing=True), shard=(0, 2))
+        push_rank(client, contract, "req", full, 0, 2)
         rank0 = shard_arrays(contract, full, Shard(0, 2), pushing=True)  # rank 1 sends rank 0's conv ring too
         frames = [header_frame(contract, "req", position=3, shard=(1, 2)), *chunk_frames(contract, rank0, 1 << 16)]
         error = raises_handoff_error(raw_push, tp_broker.address, frames)
@@ -244,7 +245,7 @@ def test_every_rank_of_a_push_and_of_a_pull_uses_one_tp_size(tp_broker):
     contract = MODELS["llama-3-8b"]
     full = seeded_tensors(contract)
     with HandoffClient(tp_broker.address, timeout=20) as client:
-        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(0, 2), pushing=True), shard=(0, 2))
+        push_rank(client, contract, "req", full, 0, 2)
         error = raises_handoff_error(
             client.push, contract.model, "req", 3, shard_arrays(contract, full, Shard(1, 4), pushing=True), shard=(1, 4)
         )
@@ -253,7 +254,7 @@ def test_every_rank_of_a_push_and_of_a_pull_uses_one_tp_size(tp_broker):
             "llama-3-8b: hand-off `req` is pushed at TP size 2, not 4; every rank of one hand-off's push uses the "
             "same TP size"
         )
-        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(1, 2), pushing=True), shard=(1, 2))
+        push_rank(client, contract, "req", full, 1, 2)
         first = client.pull(contract.model, "req", shard=(0, 4))
         with pytest.raises(ShardMismatch, match="is pulled at TP size 4, not 2"):
             client.pull(contract.model, "req", shard=(1, 2), timeout=2)
@@ -428,7 +429,7 @@ def test_a_draining_broker_lets_the_other_ranks_of_a_push_under_way_finish_and_h
     contract = MODELS["llama-3-8b"]
     full = seeded_tensors(contract)
     with HandoffClient(broker.address, timeout=20) as client:
-        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(0, 2), pushing=True), shard=(0, 2))
+        push_rank(client, contract, "req", full, 0, 2)
         result: dict = {}
         stopping = threading.Thread(target=lambda: result.update(stats=broker.stop(grace=10)))
         stopping.start()
