@@ -35,7 +35,8 @@ Every flag may also be set in the environment (--max-bytes as HANDOFF_MAX_BYTES,
 by --config (max-bytes = "16GiB"); the command line wins over the environment, which wins over the file."""
 
 
-def _config_contract(path: Path, ctx: int, dtype: str):  # noqa: ANN202 - a Contract
+def _config_contract(path: Path, **options: object):  # noqa: ANN202 - a Contract
+    """The contract a Hugging Face config.json file describes; ManifestError naming the file when it cannot."""
     from .architectures import contract_from_config
 
     try:
@@ -43,7 +44,7 @@ def _config_contract(path: Path, ctx: int, dtype: str):  # noqa: ANN202 - a Cont
     except (OSError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path}: not a readable config.json: {e}") from None
     try:
-        return contract_from_config(config, ctx=ctx, dtype=dtype)
+        return contract_from_config(config, **options)
     except ManifestError as e:
         raise ManifestError(f"{path}: {e}") from None
 
@@ -84,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         contracts = load_contracts(Path(args.contracts)) if args.contracts else {}
         for path in args.model_config or []:
-            contract = _config_contract(Path(path), args.config_ctx, args.config_dtype)
+            contract = _config_contract(Path(path), ctx=args.config_ctx, dtype=args.config_dtype)
             if contract.model in contracts:
                 raise ManifestError(f"{path}: model: `{contract.model}` is already served")
             contracts[contract.model] = contract
@@ -139,18 +140,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _contract_from_config(args: argparse.Namespace) -> int:
     """Write the manifest of the model a Hugging Face config.json describes."""
-    from .architectures import contract_from_config
-
     try:
-        config = json.loads(Path(args.config).read_text())
-        contract = contract_from_config(
-            config, ctx=args.ctx, dtype=args.dtype, model=args.model, state_dtype=args.state_dtype, scale=args.scale
-        )
-    except (OSError, json.JSONDecodeError) as e:
-        print(f"handoff-broker: {args.config}: {e}", file=sys.stderr)
-        return 2
+        contract = _config_contract(
+            Path(args.config), ctx=args.ctx, dtype=args.dtype, model=args.model, state_dtype=args.state_dtype,
+            scale=args.scale,
+        )  # fmt: skip
     except ManifestError as e:
-        print(f"handoff-broker: {args.config}: {e}", file=sys.stderr)
+        print(f"handoff-broker: {e}", file=sys.stderr)
         return 2
     text = json.dumps(contract.to_json(), indent=2) + "\n"
     if args.output:
