@@ -20,11 +20,11 @@ import json
 import socket
 import threading
 import time
-import urllib.request
 from urllib.parse import urlparse
 from collections.abc import Callable
 from typing import TypeVar
 
+from ._etcd import list_values
 from ._errors import BrokerUnavailable, HandoffError, MalformedRequest, WaitTimedOut
 
 T = TypeVar("T")
@@ -38,10 +38,6 @@ PROBED = 3
 def is_fleet(target: str) -> bool:
     """Whether a target names several brokers (a list, a DNS name, an etcd prefix) rather than one."""
     return "," in target or target.startswith(("dns:///", "etcd://"))
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
 
 
 def rendezvous(brokers: list[str], model: str, handoff_id: str) -> list[str]:
@@ -107,19 +103,11 @@ class BrokerSet:
 
     def _etcd_members(self) -> list[str]:
         """The addresses registered under the prefix, through etcd's HTTP/JSON gateway (v3 range)."""
-        parsed = urlparse(self._etcd or "")
-        prefix = (parsed.path.strip("/") or "handoff") + "/"
-        end = prefix[:-1] + chr(ord("/") + 1)  # every key that starts with the prefix
-        body = json.dumps({"key": _b64(prefix), "range_end": _b64(end)}).encode()
-        request = urllib.request.Request(
-            f"http://{parsed.netloc}/v3/kv/range", data=body, headers={"Content-Type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(request, timeout=3) as response:
-                kvs = json.loads(response.read()).get("kvs", [])
+            return list_values(self._etcd or "")
         except OSError as e:
-            raise BrokerUnavailable._rebuild(f"etcd at {parsed.netloc} cannot be read: {e}", {}) from None
-        return sorted(base64.b64decode(kv["value"]).decode() for kv in kvs)
+            where = urlparse(self._etcd or "").netloc
+            raise BrokerUnavailable._rebuild(f"etcd at {where} cannot be read: {e}", {}) from None
 
 
 def named(broker: str, error: HandoffError) -> HandoffError:

@@ -7,35 +7,14 @@ package: lease/grant, kv/put with the lease, lease/keepalive every third of the 
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import threading
-import urllib.request
-from urllib.parse import urlparse
+
+from handoff_client._etcd import b64, etcd_call, parse_etcd_url
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 5
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-def etcd_call(endpoint: str, path: str, body: dict, timeout: float = 3.0) -> dict:
-    request = urllib.request.Request(
-        f"{endpoint}/v3/{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read() or b"{}")
-
-
-def parse_etcd_url(url: str) -> tuple[str, str]:
-    """`etcd://host:port/prefix` (or http://) into the gateway endpoint and the key prefix."""
-    parsed = urlparse(url)
-    prefix = parsed.path.strip("/") or "handoff"
-    return f"http://{parsed.netloc}", prefix
 
 
 class EtcdRegistration:
@@ -52,7 +31,7 @@ class EtcdRegistration:
 
     def start(self) -> None:
         self._lease = etcd_call(self.endpoint, "lease/grant", {"TTL": self.ttl})["ID"]
-        etcd_call(self.endpoint, "kv/put", {"key": _b64(self.key), "value": _b64(self.address), "lease": self._lease})
+        etcd_call(self.endpoint, "kv/put", {"key": b64(self.key), "value": b64(self.address), "lease": self._lease})
         self._thread = threading.Thread(target=self._keep_alive, name="handoff-etcd-lease", daemon=True)
         self._thread.start()
         logger.info("registered as %s in etcd at %s (lease %ss)", self.key, self.endpoint, self.ttl)
