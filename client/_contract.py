@@ -201,6 +201,13 @@ class TensorSpans:
 
     def add(self, offset: int, length: int) -> None:
         """Record bytes [offset, offset + length); BadChunk if they are empty, past the end, or already received."""
+        at = self.check(offset, length)
+        self._starts.insert(at, offset)
+        self._ends.insert(at, offset + length)
+        self.received += length
+
+    def check(self, offset: int, length: int) -> int:
+        """Whether bytes [offset, offset + length) could be added now (BadChunk if not); where they would go."""
         name, size = self.carried.name, self.carried.nbytes
         if length == 0:
             raise BadChunk(self.model, name, offset, length, "is empty")
@@ -211,9 +218,7 @@ class TensorSpans:
         at = bisect.bisect_right(self._starts, offset)
         if (at > 0 and self._ends[at - 1] > offset) or (at < len(self._starts) and self._starts[at] < offset + length):
             raise BadChunk(self.model, name, offset, length, "overlaps bytes already received")
-        self._starts.insert(at, offset)
-        self._ends.insert(at, offset + length)
-        self.received += length
+        return at
 
     @property
     def complete(self) -> bool:

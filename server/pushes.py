@@ -50,21 +50,32 @@ class PushSession:
         key: HandoffKey,
         spans: list[TensorSpans] | None = None,
         received: list[tuple[int, int, int, int]] | None = None,
+        held_before: frozenset[tuple[int, int, int, int]] = frozenset(),
     ) -> None:
         self.store = store
         self.contract = contract
         self.key = key
         self._spans = spans if spans is not None else [TensorSpans(contract.model, c) for c in contract.carried]
         self._received = received if received is not None else []
+        self._held_before = held_before
 
     def add(self, chunk: ChunkFrame) -> None:
         index = self.contract.index(chunk.tensor)
         length = len(chunk.data)
-        self._spans[index].add(chunk.offset, length)
+        if (index, chunk.offset, length, chunk.crc32c) in self._held_before:
+            # A resume re-sent a chunk its broken stream delivered after the pusher asked what was held: that copy
+            # is held and was checked; this one is not kept.
+            return
+        self._spans[index].check(chunk.offset, length)  # bounds and overlap before the checksum is paid for
         if crc32c(chunk.data) != chunk.crc32c:
             raise BadChunk(self.contract.model, chunk.tensor, chunk.offset, length, "fails its CRC32C on arrival")
-        self._received.append((index, chunk.offset, length, chunk.crc32c))
-        self._keep(StoredChunk(index, chunk.offset, length, chunk.crc32c, chunk.frame, chunk.data))
+        self._record(StoredChunk(index, chunk.offset, length, chunk.crc32c, chunk.frame, chunk.data))
+
+    def _record(self, chunk: StoredChunk) -> None:
+        """The chunk counts as received (a repeat's own bookkeeping; a new push records under the store's lock)."""
+        self._spans[chunk.index].add(chunk.offset, chunk.length)
+        self._received.append((chunk.index, chunk.offset, chunk.length, chunk.crc))
+        self._keep(chunk)
 
     @property
     def complete(self) -> bool:
@@ -94,12 +105,14 @@ class _NewPush(PushSession):
     """A push of an id the broker does not hold: its chunks are kept (and fed to a pipelined puller at once), and
     become a complete hand-off at `finish`."""
 
-    def __init__(self, store: Store, contract: Contract, key: HandoffKey, entry: _Entry) -> None:
-        # The checks so far live on the entry, so a resumed push's session continues them.
-        super().__init__(store, contract, key, entry.spans, entry.received)
+    def __init__(self, store: Store, contract: Contract, key: HandoffKey, entry: _Entry, resumed: bool = False) -> None:
+        # The checks so far live on the entry, so a resumed push's session continues them (made under the store's
+        # lock, so what the broken stream delivered is all in `entry.received`).
+        held = frozenset(entry.received) if resumed else frozenset()
+        super().__init__(store, contract, key, entry.spans, entry.received, held)
         self.entry = entry
 
-    def _keep(self, chunk: StoredChunk) -> None:
+    def _record(self, chunk: StoredChunk) -> None:
         self.store._append(self, chunk)
 
     def suspend(self) -> None:

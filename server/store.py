@@ -366,8 +366,10 @@ class Store(TensorParallelGroups):
             if entry.position != position:
                 raise HandoffExists(model, handoff_id, f"was pushed at position {entry.position}, not {position}")
             stale = [entry.push_interrupt] if entry.push is not None and entry.push_interrupt else []
-            session = _NewPush(self, contract, key, entry)  # the previous stream, if the broker still thinks it
-            entry.push = session  # alive, is dead to the pusher: it no longer owns the entry
+            # The previous stream, if the broker still thinks it alive, is dead to the pusher: it no longer owns the
+            # entry.
+            session = _NewPush(self, contract, key, entry, resumed=True)
+            entry.push = session
             entry.push_interrupt = interrupt
             entry.suspended_until = None
             entry.push_activity = self._clock()
@@ -404,7 +406,9 @@ class Store(TensorParallelGroups):
 
     def _append(self, session: _NewPush, chunk: StoredChunk) -> None:
         with self._lock:
-            entry = self._owned(session)
+            entry = self._owned(session)  # first: a stream a resume replaced must not mark bytes it will not keep
+            entry.spans[chunk.index].add(chunk.offset, chunk.length)
+            entry.received.append((chunk.index, chunk.offset, chunk.length, chunk.crc))
             entry.arrived.append(chunk)
             entry.push_activity = self._clock()
             if entry.claimed:

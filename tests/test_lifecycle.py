@@ -29,7 +29,7 @@ from handoff_client import (
     _errors,
 )
 from handoff_client._client import retryable_pull, retryable_push
-from handoff_client._frames import encode_chunk
+from handoff_client._frames import decode_chunk, encode_chunk
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import identity, method_path
 from proxy import Proxy
@@ -468,3 +468,36 @@ def test_a_pull_of_a_push_that_fails_midway_is_aborted_and_keeps_nothing(broker,
     assert_holds_nothing(broker)
     with pytest.raises(WaitTimedOut):  # nothing of it is left to pull
         client.pull(DEMO, "r", timeout=0.3)
+
+
+def test_a_resume_may_resend_a_chunk_its_broken_stream_delivered_after_the_progress_was_read(broker, contracts):
+    contract = contracts[DEMO]
+    tensors = seeded_tensors(contract, seed=14)
+    header = pb.PushHeader(model=DEMO, handoff_id="r", position=1, fingerprint=contract.fingerprint, resumable=True)
+    chunks = chunk_frames(contract, tensors, 64 << 10)
+    sizes = [len(decode_chunk(frame).data) for frame in chunks]
+    one_more, stall = threading.Event(), threading.Event()
+
+    def first_stream():
+        yield pb.PushRequest(header=header).SerializeToString()
+        yield from chunks[:5]
+        one_more.wait(10)
+        yield chunks[5]  # arrives after the pusher read the progress below
+        stall.wait(10)
+
+    def held_bytes() -> int:
+        return sum(r.length for t in client.push_progress(DEMO, "r").tensors for r in t.received)
+
+    with HandoffClient(broker.address) as client, open_channel(broker.address) as channel:
+        push = channel.stream_unary(method_path("PushHandoff"), request_serializer=identity)
+        call = push.future(first_stream(), timeout=30)
+        wait_until(lambda: broker.store.stats().receiving == 1 and held_bytes() == sum(sizes[:5]))
+        one_more.set()  # the pusher has read "5 chunks held"; the sixth lands now
+        wait_until(lambda: held_bytes() == sum(sizes[:6]))
+        resume = pb.PushHeader(model=DEMO, handoff_id="r", position=1, fingerprint=contract.fingerprint, resume=True)
+        result = raw_push(broker.address, [pb.PushRequest(header=resume).SerializeToString(), *chunks[5:]])
+        stall.set()
+        assert not result.duplicate and result.chunks == len(chunks)  # the sixth chunk counted once
+        assert_same_bits(client.pull(DEMO, "r").state, tensors)
+        call.cancel()
+    assert_holds_nothing(broker)
