@@ -17,6 +17,7 @@ from ._client import (
     PushResult,
     RetryPolicy,
 )
+from ._allocator import tune_allocator
 from ._contract import Carried, Contract, Handoff, ManifestError
 from ._fleet import FleetClient
 from ._shards import Shard, ShardContract, join_shards, shard_arrays
@@ -95,7 +96,6 @@ __all__ = [
     "Precondition",
     "PushAborted",
     "PulledTensors",
-    "PushAborted",
     "PushResult",
     "RetryPolicy",
     "RpcFailed",
@@ -114,4 +114,5 @@ __all__ = [
     "ShardMismatch",
     "join_shards",
     "shard_arrays",
+    "tune_allocator",
 ]

@@ -5,20 +5,25 @@
     python tests/workers.py push-and-stall TARGET MODEL ID     pushes the header and half the chunks, then stalls
 
 Each prints "stalled" once it is mid-stream, so the test knows when to kill it.
+
+    python tests/workers.py pull-faults TARGET MODEL ID tuned|plain   pulls ID-1 then ID-2 into preallocated arrays,
+                                          with or without tune_allocator(); prints the page faults of the second
 """
 
 from __future__ import annotations
 
+import resource
 import sys
 import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
 from conftest import seeded_tensors  # noqa: E402
-from handoff_client import HandoffClient  # noqa: E402
+from handoff_client import HandoffClient, tune_allocator  # noqa: E402
 from support import chunk_frames, header_frame, open_channel, raw_pull  # noqa: E402
 
 
@@ -52,5 +57,19 @@ def push_and_stall(target: str, model: str, handoff_id: str) -> None:
     future.result()
 
 
+def pull_faults(target: str, model: str, handoff_id: str, allocator: str) -> None:
+    if allocator == "tuned" and not tune_allocator():
+        print("untunable", flush=True)
+        return
+    with HandoffClient(target, timeout=60) as client:
+        contract = client.get_contract(model)
+        into = {c.name: np.zeros(c.shape, c.numpy_dtype) for c in contract.carried}  # allocated and touched first
+        client.pull(model, f"{handoff_id}-1", into=into)  # a decoder's first pull warms its heap
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        client.pull(model, f"{handoff_id}-2", into=into)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, flush=True)
+
+
 if __name__ == "__main__":
-    {"pull-and-stall": pull_and_stall, "push-and-stall": push_and_stall}[sys.argv[1]](*sys.argv[2:])
+    workers = {"pull-and-stall": pull_and_stall, "push-and-stall": push_and_stall, "pull-faults": pull_faults}
+    workers[sys.argv[1]](*sys.argv[2:])
