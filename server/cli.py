@@ -66,6 +66,37 @@ def _security(args: argparse.Namespace) -> dict:
     }
 
 
+def _add_connection_flags(command: argparse.ArgumentParser) -> None:
+    """How a client command reaches a broker: its address, and TLS and a bearer token when the broker asks for them.
+    The names differ from `serve`'s --tls-cert/--tls-key so that their environment variables never collide in one
+    container (a HEALTHCHECK beside its broker)."""
+    command.add_argument("--target", default="127.0.0.1:50051")
+    command.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA for the broker")
+    command.add_argument("--tls-client-cert", metavar="PEM", help="this client's certificate chain (mutual TLS)")
+    command.add_argument("--tls-client-key", metavar="PEM", help="this client's private key (mutual TLS)")
+    command.add_argument("--tls-server-name", metavar="NAME", help="the name the broker's certificate must carry")
+    command.add_argument(
+        "--token-file", metavar="FILE", help="a file holding the bearer token (never on a command line)"
+    )
+
+
+def _connection(args: argparse.Namespace) -> dict:
+    """HandoffClient's keyword arguments from the connection flags; OSError or ManifestError naming what is amiss."""
+    if bool(args.tls_client_cert) != bool(args.tls_client_key):
+        raise ManifestError("--tls-client-cert and --tls-client-key go together")
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    if args.token_file and not token:
+        raise ManifestError(f"{args.token_file}: no token in the file")
+    return {
+        "tls_root_certificates": read(args.tls_ca),
+        "tls_certificate_chain": read(args.tls_client_cert),
+        "tls_private_key": read(args.tls_client_key),
+        "tls_server_name": args.tls_server_name,
+        "token": token,
+    }
+
+
 def _hash_token(args: argparse.Namespace) -> int:
     """The sha256 a token file stores for a token read from stdin (so it never sits on a command line)."""
     from .auth import hash_token
@@ -187,7 +218,16 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.target) as channel:
+    tls = _connection(args)
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    if tls["tls_root_certificates"] or tls["tls_certificate_chain"]:
+        credentials = grpc.ssl_channel_credentials(
+            tls["tls_root_certificates"], tls["tls_private_key"], tls["tls_certificate_chain"]
+        )
+        channel = grpc.secure_channel(args.target, credentials, options=options)
+    else:
+        channel = grpc.insecure_channel(args.target)
+    with channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
         except grpc.RpcError as e:
@@ -203,7 +243,7 @@ def _status(args: argparse.Namespace) -> int:
     from handoff_client import HandoffClient, HandoffError
     from handoff_client._wire import contract_from_proto
 
-    with HandoffClient(args.target) as client:
+    with HandoffClient(args.target, **_connection(args)) as client:
         try:
             status = client.status(timeout=args.timeout)
         except HandoffError as e:
@@ -238,7 +278,7 @@ def _traffic(args: argparse.Namespace) -> int:
 
     from .demo import demo_tensors
 
-    with HandoffClient(args.target) as client:
+    with HandoffClient(args.target, **_connection(args)) as client:
         contract = None
         n = 0
         while args.count is None or n < args.count:
@@ -358,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(run=_check_contracts)
     traffic = commands.add_parser("traffic", help="a demo worker moving hand-offs continuously (compose, dashboards)")
     traffic.add_argument("role", choices=["prefill", "decode"])
-    traffic.add_argument("--target", default="127.0.0.1:50051")
+    _add_connection_flags(traffic)
     traffic.add_argument("--model", default="demo-hybrid")
     traffic.add_argument("--prefix", default="traffic")
     traffic.add_argument("--interval", type=float, default=0.5, help="seconds between hand-offs (0.5)")
@@ -369,12 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     hashing.set_defaults(run=_hash_token)
 
     status = commands.add_parser("status", help="what a live broker holds: hand-offs, bytes, contracts")
-    status.add_argument("--target", default="127.0.0.1:50051")
+    _add_connection_flags(status)
     status.add_argument("--timeout", type=float, default=5.0)
     status.set_defaults(run=_status)
 
     health = commands.add_parser("health", help="ask a broker's gRPC health service; exit 0 when SERVING")
-    health.add_argument("--target", default="127.0.0.1:50051")
+    _add_connection_flags(health)
     health.add_argument("--timeout", type=float, default=3.0)
     health.set_defaults(run=_health)
     return parser
@@ -430,7 +470,11 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level, handlers=[handler])
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (OSError, ManifestError) as e:  # a file named on the command line that is missing or amiss
+        print(f"handoff-broker {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 class JsonFormatter(logging.Formatter):

@@ -204,3 +204,37 @@ def test_streams_past_a_connections_limit_wait_and_other_clients_are_untouched(s
         with HandoffClient(broker.address) as other:  # another connection is served as ever
             round_trip(other, contracts)
         waiting.cancel()
+
+
+def test_the_status_and_health_commands_reach_a_broker_behind_mutual_tls_and_tokens(
+    start_broker, pki, token_file, tmp_path: Path
+):
+    broker = start_broker(tls_cert=pki["server"].cert, tls_key=pki["server"].key, tls_client_ca=pki["ca"].pem,
+                          tokens=TokenTable.load(token_file))  # fmt: skip
+    files = {"ca.pem": pki["ca"].pem, "client.pem": pki["client"].cert, "client.key": pki["client"].key,
+             "ops.token": b"admin-secret\n", "decode.token": b"decode-secret\n"}  # fmt: skip
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    tls = ["--target", broker.address, "--tls-ca", str(tmp_path / "ca.pem"), "--tls-server-name", "localhost",
+           "--tls-client-cert", str(tmp_path / "client.pem"), "--tls-client-key", str(tmp_path / "client.key")]  # fmt: skip
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "handoff_broker.cli", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+    status = cli("status", *tls, "--token-file", str(tmp_path / "ops.token"))
+    assert status.returncode == 0, status.stderr
+    assert f"{broker.address}: serving" in status.stdout and "contract every-dtype" in status.stdout
+    healthy = cli("health", *tls)  # probes need no token
+    assert (healthy.returncode, healthy.stdout.strip()) == (0, f"{broker.address}: SERVING")
+
+    anonymous = cli("status", *tls)
+    assert anonymous.returncode == 1 and "no bearer token" in anonymous.stderr
+    decode_role = cli("status", *tls, "--token-file", str(tmp_path / "decode.token"))
+    assert decode_role.returncode == 1 and "GetStatus needs admin" in decode_role.stderr
+    plaintext = cli("health", "--target", broker.address, "--timeout", "1")
+    assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stderr
+    missing = cli("status", *tls, "--token-file", str(tmp_path / "nowhere.token"))
+    assert missing.returncode == 2 and "nowhere.token" in missing.stderr
+    half = cli("health", "--target", broker.address, "--tls-client-cert", str(tmp_path / "client.pem"))
+    assert half.returncode == 2 and "--tls-client-cert and --tls-client-key go together" in half.stderr
