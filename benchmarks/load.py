@@ -282,6 +282,8 @@ def run_against_own_broker(seconds: float, pairs: int, max_bytes: str, models: l
         "2",
         "--ttl",
         "30",
+        "--trim-after",
+        "0.5",
     ]
     broker = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
@@ -294,7 +296,7 @@ def run_against_own_broker(seconds: float, pairs: int, max_bytes: str, models: l
             deadline = time.monotonic() + 15  # killed streams and expiring leftovers settle
             while (status := admin.status()).resident_bytes and time.monotonic() < deadline:
                 time.sleep(0.1)
-        time.sleep(1.0)  # the broker hands memory back on the sweep after its store empties
+        time.sleep(1.5)  # the broker hands memory back once it has held nothing for --trim-after
         rss_end, rss_peak = broker_rss(broker.pid)
     finally:
         broker.terminate()

@@ -9,9 +9,11 @@ were 10-15 % of the broker's CPU on a push and a third of a decoder's CPU on a p
 chunk size and a trim threshold of tens of megabytes keep those pages mapped and reused: the broker's CPU per GiB
 received fell ~15 % and a puller's ~30 %.
 
-The cost is up to TRIM_THRESHOLD of freed memory each arena keeps; `trim()` hands it back (the broker calls it
-whenever its store empties). Both are process-wide settings: the broker sets them for itself; a decode or prefill
-worker opts in with `handoff_client.tune_allocator()`, since a library must not change its host's allocator unasked.
+The cost is the freed memory each arena keeps (`keep`, TRIM_THRESHOLD unless told); `trim()` hands it back. The
+broker keeps up to its --max-bytes, so the pages a confirmed hand-off leaves serve the next push instead of being
+faulted in again (the largest single cost left on its receive path), and trims once it has held nothing for
+--trim-after seconds. Both are process-wide settings: the broker sets them for itself; a decode or prefill worker
+opts in with `handoff_client.tune_allocator()`, since a library must not change its host's allocator unasked.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ MMAP_THRESHOLD = 8 << 20
 TRIM_THRESHOLD = 64 << 20
 """Free bytes a heap may keep at its top before glibc returns them: room for a few dozen frames in flight."""
 
+_MALLOPT_MAX = (1 << 31) - 1  # mallopt takes an int
+
 _libc: ctypes.CDLL | None = None
 try:
     _name = ctypes.util.find_library("c")
@@ -42,19 +46,20 @@ except OSError:  # not glibc
     _libc = None
 
 
-def tune_allocator(arenas: int | None = None) -> bool:
-    """Keep the pages of received messages mapped for the next ones; with `arenas`, also cap glibc's arenas (each
-    thread may otherwise get one, each keeping its own free pages). True where glibc took every setting.
+def tune_allocator(arenas: int | None = None, keep: int = TRIM_THRESHOLD) -> bool:
+    """Keep the pages of received messages mapped for the next ones, up to `keep` free bytes at a heap's top (at
+    most 2 GiB); with `arenas`, also cap glibc's arenas (each thread may otherwise get one, each keeping its own free
+    pages). True where glibc took every setting.
 
     Call it early, before the threads that receive are started: an arena already made is not capped."""
     if _libc is None:
         return False
     ok = _libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-    ok &= _libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    ok &= _libc.mallopt(_M_TRIM_THRESHOLD, max(MMAP_THRESHOLD, min(keep, _MALLOPT_MAX))) == 1
     if arenas is not None:
         ok &= _libc.mallopt(_M_ARENA_MAX, arenas) == 1
     logger.debug("allocator tuned: mmap above %d, trim above %d, arenas %s (%s)",
-                 MMAP_THRESHOLD, TRIM_THRESHOLD, arenas or "glibc's", ok)  # fmt: skip
+                 MMAP_THRESHOLD, keep, arenas or "glibc's", ok)  # fmt: skip
     return bool(ok)
 
 

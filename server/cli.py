@@ -145,6 +145,7 @@ def _serve(args: argparse.Namespace) -> int:
         lease=args.lease,
         idle_timeout=args.idle_timeout,
         resume_window=args.resume_window,
+        trim_after=args.trim_after,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         workers=args.workers,
         keepalive_seconds=args.keepalive,
@@ -357,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--idle-timeout", type=float, default=30.0, help="seconds a push may send nothing (30)")
     serve.add_argument("--resume-window", type=float, default=10.0,
                        help="seconds a broken resumable push is kept for its retry (10)")  # fmt: skip
+    serve.add_argument("--trim-after", type=float, default=30.0,
+                       help="seconds holding nothing before freed memory goes back to the system (30)")  # fmt: skip
     serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port; -1: none (9464)")
     serve.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish on SIGTERM (10)")
     serve.add_argument("--workers", type=int, default=256, help="threads serving calls (256)")

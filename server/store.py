@@ -100,6 +100,7 @@ class StoreConfig:
     push_deadline: float = 600.0
     tombstone_ttl: float = 600.0
     sweep_interval: float = 0.25
+    trim_after: float = 30.0  # seconds holding nothing before `on_idle` (the broker returns memory then)
 
 
 @dataclass(eq=False)
@@ -196,11 +197,14 @@ class Store(TensorParallelGroups):
         self._groups: dict[HandoffKey, Group] = {}
         self._tombstones: OrderedDict[HandoffKey, _Tombstone] = OrderedDict()
         self._resident = 0
+        self._pushes_begun = 0  # so the sweeper sees a hand-off that came and went between two of its rounds
         self._draining = False
         self._closed = threading.Event()
         self._sweeper: threading.Thread | None = None
-        self.on_empty: Callable[[], None] | None = None
-        """Called by the sweeper when the store has just emptied (the broker hands memory back to the system)."""
+        self.on_idle: Callable[[], None] | None = None
+        """Called by the sweeper once the store has held nothing for `trim_after` seconds since it last held
+        something: the broker then hands back the memory it kept for the next hand-offs. Not at once on emptying,
+        which under steady traffic happens between every two hand-offs and would fault every page in again."""
 
     # -- life of the store --------------------------------------------------------------------------------------------
 
@@ -342,6 +346,7 @@ class Store(TensorParallelGroups):
                     group.pushed[shard.rank] = entry
                     entry.group, entry.rank = group, shard.rank
                 self._entries[key] = entry
+                self._pushes_begun += 1
                 self._tombstones.pop(key, None)
                 self._resident += entry.reserved
                 self._changed.notify_all()  # pullers waiting for this id may claim it now
@@ -671,14 +676,22 @@ class Store(TensorParallelGroups):
         _run(interrupts)
 
     def _sweep_forever(self) -> None:
-        was_empty = True
+        empty_since: float | None = None  # when the store was last seen holding nothing, with no push since
+        idle_done = True  # nothing held since start (or since the last on_idle): nothing to hand back
+        pushes_seen = 0
         while not self._closed.wait(self.config.sweep_interval):
             try:
                 self.sweep()
-                empty = not self._entries
-                if empty and not was_empty and self.on_empty is not None:
-                    self.on_empty()
-                was_empty = empty
+                if self._entries or self._pushes_begun != pushes_seen:
+                    pushes_seen = self._pushes_begun
+                    empty_since, idle_done = None, False
+                elif not idle_done:
+                    now = self._clock()
+                    empty_since = now if empty_since is None else empty_since
+                    if now - empty_since >= self.config.trim_after:
+                        idle_done = True
+                        if self.on_idle is not None:
+                            self.on_idle()
             except Exception:  # a sweeper that dies would let memory grow unbounded: log and go on
                 logger.exception("sweep failed")
 

@@ -6,8 +6,8 @@
 
 Each prints "stalled" once it is mid-stream, so the test knows when to kill it.
 
-    python tests/workers.py pull-faults TARGET MODEL ID tuned|plain   pulls ID-1 then ID-2 into preallocated arrays,
-                                          with or without tune_allocator(); prints the page faults of the second
+    python tests/workers.py pull-faults TARGET MODEL ID tuned|plain   pulls ID-1, -2 and -3 into preallocated arrays,
+                                          with or without tune_allocator(); prints the page faults of the third
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ def pull_faults(target: str, model: str, handoff_id: str, allocator: str) -> Non
     with HandoffClient(target, timeout=60) as client:
         contract = client.get_contract(model)
         into = {c.name: np.zeros(c.shape, c.numpy_dtype) for c in contract.carried}  # allocated and touched first
-        client.pull(model, f"{handoff_id}-1", into=into)  # a decoder's first pull warms its heap
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        client.pull(model, f"{handoff_id}-1", into=into)  # a decoder's first pulls warm its heap
         client.pull(model, f"{handoff_id}-2", into=into)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        client.pull(model, f"{handoff_id}-3", into=into)
         print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, flush=True)
 
 
