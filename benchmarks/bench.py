@@ -435,27 +435,24 @@ def role_handoff_consumer(target: str, model: str, key: str) -> None:
         print(json.dumps({"t1": t1, "t_first": first, "crc": crc(out)}))
 
 
-def role_handoff_ranks(target: str, model: str, key: str, side: str, tp: int) -> None:
-    """Every rank of a TP engine, one thread (and channel) each, pushing or pulling its shard of one hand-off."""
+def role_handoff_rank(target: str, model: str, key: str, side: str, rank: int, tp: int) -> None:
+    """One rank of a TP engine, a process of its own as in vLLM or SGLang, pushing or pulling its shard of one
+    hand-off. It prints "ready" once prepared (a pusher has its shard in memory) and a pusher starts on a line read
+    from stdin, so every rank starts together."""
     from handoff_client import HandoffClient, Shard, shard_arrays
 
-    clients = [HandoffClient(target, chunk_bytes=_chunk_bytes()) for _ in range(tp)]
-    contract = clients[0].get_contract(model)
-    full = _tensors(contract) if side == "push" else None
-    if side == "pull":
+    with HandoffClient(target, chunk_bytes=_chunk_bytes()) as client:
+        contract = client.get_contract(model)
+        mine = shard_arrays(contract, _tensors(contract), Shard(rank, tp), pushing=True) if side == "push" else None
         print("ready", flush=True)
-    t0 = time.monotonic()
-
-    def one(rank: int) -> None:
         if side == "push":
-            mine = shard_arrays(contract, full, Shard(rank, tp), pushing=True)
-            clients[rank].push(model, key, 1, mine, shard=(rank, tp))
+            sys.stdin.readline()
+        t0 = time.monotonic()
+        if side == "push":
+            client.push(model, key, 1, mine, shard=(rank, tp))
         else:
-            clients[rank].pull(model, key, shard=(rank, tp), timeout=120)
-
-    with futures.ThreadPoolExecutor(tp) as pool:
-        list(pool.map(one, range(tp)))
-    print(json.dumps({"t0": t0, "t1": time.monotonic()}))
+            client.pull(model, key, shard=(rank, tp), timeout=120)
+        print(json.dumps({"t0": t0, "t1": time.monotonic()}))
 
 
 def role_handoff_pairs(target: str, model: str, pairs: int, side: str, prefix: str) -> None:
@@ -552,6 +549,13 @@ ROLES = {name[len("role_") :].replace("_", "-"): fn for name, fn in globals().it
 
 def _spawn(*args: object) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HERE), *map(str, args)], stdout=subprocess.PIPE, text=True)
+
+
+def _spawn_fed(*args: object) -> subprocess.Popen:
+    """A role process that waits for a line on its stdin before it starts."""
+    return subprocess.Popen(
+        [sys.executable, str(HERE), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def _result(process: subprocess.Popen, timeout: float = 600) -> dict:
@@ -766,16 +770,24 @@ class Bench:
         relay.wait(timeout=30)
 
     def resharding(self, model: str, nbytes: int) -> None:
-        """The same hand-off pushed and pulled whole, at equal TP sizes, and resharded 4 -> 2 (the broker copies)."""
+        """The same hand-off pushed and pulled whole, at equal TP sizes, and resharded 4 -> 2 (the broker copies);
+        every rank a process of its own, all pushing ranks starting together, timed from the first push's start to
+        the last pull's end."""
         rows = {}
         for push_tp, pull_tp in ((1, 1), (2, 2), (4, 2)):
             times = []
             for run in range(self.runs):
                 key = f"tp-{push_tp}-{pull_tp}-{run}"
-                pullers = _spawn("handoff-ranks", self.target, model, key, "pull", pull_tp)
-                _wait_ready(pullers)
-                pushed = _result(_spawn("handoff-ranks", self.target, model, key, "push", push_tp))
-                times.append(_result(pullers)["t1"] - pushed["t0"])
+                pullers = [_spawn("handoff-rank", self.target, model, key, "pull", r, pull_tp) for r in range(pull_tp)]
+                pushers = [_spawn_fed("handoff-rank", self.target, model, key, "push", r, push_tp)
+                           for r in range(push_tp)]  # fmt: skip
+                for process in pullers + pushers:
+                    _wait_ready(process)
+                for pusher in pushers:
+                    pusher.stdin.write("go\n")
+                    pusher.stdin.flush()
+                pushed, pulled = [_result(p) for p in pushers], [_result(p) for p in pullers]
+                times.append(max(r["t1"] for r in pulled) - min(r["t0"] for r in pushed))
             rows[f"{push_tp} -> {pull_tp}"] = nbytes / MiB / statistics.median(times)
         whole = rows["1 -> 1"]
         self.results["resharding"] = {
@@ -861,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
         tune_allocator()  # every path's processes run with the allocator settings the broker sets for itself
         fn = ROLES[argv[0]]
         annotations = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
-        kinds = {k: int for k in ("port", "nbytes", "runs", "iterations", "pairs", "tp")}
+        kinds = {k: int for k in ("port", "nbytes", "runs", "iterations", "pairs", "rank", "tp")}
         fn(*[kinds.get(name, str)(value) for name, value in zip(annotations, argv[1:])])
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
