@@ -35,7 +35,7 @@ DEFAULT_PORT = 50051
 DEFAULT_HOST = "127.0.0.1"
 ALLOCATOR_ARENAS = 1
 """glibc arenas for the whole broker: one heap, so the pages freed by any thread serve the next frame of any other,
-and trimming it when the broker goes idle hands back everything (measured: more arenas kept tens of MiB after)."""
+and trimming it when the broker goes idle hands back everything (measured: with more arenas, tens of MiB stayed)."""
 DEFAULT_WORKERS = 256
 """Threads serving calls: each open stream, and each pull waiting for its push, holds one."""
 

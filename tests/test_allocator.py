@@ -3,6 +3,7 @@ worker that opts in to the same; measured in real processes by their page faults
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -13,21 +14,21 @@ import pytest
 from conftest import MANIFESTS, seeded_tensors
 from handoff_broker import Broker
 from handoff_client import HandoffClient
+from test_cli import start_serving
 
 WORKERS = Path(__file__).parent / "workers.py"
 MiB = 1 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def proc_status(pid: int) -> tuple[int, int]:
     """(minor page faults, RSS bytes) of a process, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-    return int(fields[7]), rss_pages * 4096
+    return int(fields[7]), rss_pages * PAGE
 
 
 def test_a_busy_broker_reuses_the_pages_of_confirmed_hand_offs_and_hands_them_back_once_idle() -> None:
-    from test_cli import start_serving
-
     broker, address = start_serving("--contracts", str(MANIFESTS), "--trim-after", "3")
     try:
         with HandoffClient(address, timeout=30) as client:
@@ -45,7 +46,7 @@ def test_a_busy_broker_reuses_the_pages_of_confirmed_hand_offs_and_hands_them_ba
 
         # The first 64 MiB faulted in fresh pages; the second landed in the pages the first one left.
         cold, warm = faults
-        assert cold > (64 * MiB // 4096) // 2, faults
+        assert cold > (64 * MiB // PAGE) // 2, faults
         assert warm * 4 < cold, faults
         assert kept > base + 32 * MiB, (base, kept)  # holding nothing, yet keeping them for the next push
         deadline = time.monotonic() + 15
@@ -82,7 +83,7 @@ def test_a_tuned_decoder_reuses_the_pages_of_received_chunks_instead_of_faulting
     # With glibc's defaults a warm decoder still faults in (and zeroes) fresh pages for much of every pull; tuned,
     # the pages of the last pull's chunks serve this one's. Both got every byte: a pull verifies each chunk's CRC32C
     # and the digest. (Measured here: plain 5,000-17,000 faults, tuned 1-1,200, of the pull's 16,384 pages.)
-    pages = (64 << 20) // 4096
+    pages = 64 * MiB // PAGE
     assert tuned < pages // 8, (tuned, plain)
     assert tuned * 4 < plain, (tuned, plain)
     assert broker.store.stats().resident_bytes == 0
