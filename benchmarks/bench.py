@@ -364,7 +364,7 @@ def role_naive_grpc_consumer(port: int, nbytes: int, key: str) -> None:
 
 
 def role_raw_grpc_producer(port: int, nbytes: int, key: str) -> None:
-    """The issue's tuned relay: 4 MiB messages of an 8-byte offset and the payload, no protobuf, no checks."""
+    """The tuned gRPC relay: 4 MiB messages of an 8-byte offset and the payload, no protobuf, no checks."""
     channel, *_ = _naive_channel(port)
     push = channel.stream_unary("/naive.Relay/RawPush", identity, identity)
     data = memoryview(payload(nbytes))
