@@ -43,6 +43,9 @@ class Group:
     push_digests: dict[int, str] = field(default_factory=dict)  # kept after the cut, so a retried push is known
     pull_size: int = 0  # fixed by the first pull
     pulled: dict[int, _Entry] = field(default_factory=dict)
+    # Streamed through: each pulling rank claims its pushing rank's own part and streams it as it arrives (`pulled`
+    # is then `pushed` itself), because at this TP size every rank pulls exactly what it pushes.
+    live: bool = False
     confirmed: set[int] = field(default_factory=set)
     cutting: bool = False
     reserved: int = 0
@@ -90,9 +93,28 @@ class TensorParallelGroups:
             raise ShardMismatch(model, handoff_id, "pushed", group.push_size, shard.size)
         if group.position != position:
             raise HandoffExists(model, handoff_id, f"was pushed at position {group.position}, not {position}")
+        if group.live:  # no cut: a rank's repeat meets its part, or (once confirmed) the digest it had
+            return group.push_digests.get(shard.rank, "") if shard.rank in group.confirmed else None
         if group.pull_size or group.cutting:
             return group.push_digests.get(shard.rank, "")
         return None
+
+    def _stream_through(self, group: Group, size: int) -> bool:
+        """Under the lock, at a pull of a group still being pushed: go live if pulling rank r at `size` needs exactly
+        what pushing rank r sends (equal TP sizes, every tensor split by heads the TP size divides: no replicated
+        heads, no tensor that only rank 0 pushes). Then no cut is needed, now or later, and each pulling rank streams
+        its part while it arrives, as a whole hand-off's pull does; the end of every stream waits for the last
+        pushing rank's commit, so no rank's decoder holds a hand-off that is not whole."""
+        if group.pull_size or group.cutting or group.complete or size != group.push_size:
+            return False
+        for rank in range(size):
+            shard = Shard(rank, size)
+            pushes = ShardContract.of(group.contract, shard, pushing=True)
+            if pushes.carried != ShardContract.of(group.contract, shard, pushing=False).carried:
+                return False
+        group.pull_size, group.live, group.pulled = size, True, group.pushed
+        logger.info("hand-off %s/%s streams through to %d pulling ranks as it is pushed", *group.key, size)
+        return True
 
     def _adopt(self, entry: _Entry) -> Group:
         """Under the lock: a whole hand-off becomes a group of one pushing rank, for a sharded pull to cut."""
@@ -100,6 +122,12 @@ class TensorParallelGroups:
         entry.group = group
         self._groups[entry.key] = group
         return group
+
+    def _whole_at_last(self, group: Group) -> None:
+        """Under the lock, as a rank commits: a live group's pulling ranks may end their streams once all have."""
+        if group.live and group.complete:
+            for entry in group.pushed.values():
+                entry.changed.notify_all()
 
     def _cut(self, group: Group, size: int) -> bool:
         """Under the lock (released while copying): cut the group's pushed parts into `size` pulling ranks' parts,

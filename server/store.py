@@ -435,6 +435,9 @@ class Store(TensorParallelGroups):
             entry.expires_at = self._clock() + entry.ttl
             entry.changed.notify_all()
             self._changed.notify_all()
+            if entry.group is not None:
+                entry.group.push_digests[entry.rank] = digest
+                self._whole_at_last(entry.group)
 
     def _abort(self, session: _NewPush) -> None:
         with self._lock:
@@ -475,7 +478,8 @@ class Store(TensorParallelGroups):
         """Claim a hand-off, waiting up to `wait` seconds for its push to begin; a claim made while the push is under
         way streams its chunks as they arrive (`feed`). `supersedes` names the caller's own earlier claim, which
         this one replaces if it still stands. With a `shard`, or of a tensor-parallel push, the claim is on one
-        pulling rank's part, once every pushing rank has committed."""
+        pulling rank's part: once every pushing rank has committed, or at once when the group streams through
+        (groups.py, `_stream_through`)."""
         contract = self.contract(model)
         _check_id(model, handoff_id)
         if not shard.whole:
@@ -495,10 +499,11 @@ class Store(TensorParallelGroups):
                 if group is not None:
                     if group.pull_size and group.pull_size != shard.size:
                         raise ShardMismatch(model, handoff_id, "pulled", group.pull_size, shard.size)
-                    if group.pull_size:
+                    if group.pull_size or self._stream_through(group, shard.size):
                         entry = group.pulled.get(shard.rank)
-                        if entry is None:
+                        if entry is None and not group.live:
                             raise HandoffGone(model, handoff_id, f"was already delivered to {shard} and confirmed")
+                        # live, and its pushing rank has not begun: wait for it
                     elif group.complete and not group.cutting:
                         if self._cut(group, shard.size):
                             continue
@@ -558,8 +563,8 @@ class Store(TensorParallelGroups):
                 entry.pull_activity = self._clock()
                 if start < len(source):
                     return source[start : start + FEED_BATCH], None
-                if entry.committed:
-                    return [], entry.digest
+                if entry.committed and (entry.group is None or not entry.group.live or entry.group.complete):
+                    return [], entry.digest  # (a live group's rank ends only once every rank has committed)
                 waited = self._clock() - started
                 if waited >= wait:
                     raise WaitTimedOut(claim.model, claim.handoff_id, waited)
@@ -597,9 +602,12 @@ class Store(TensorParallelGroups):
             group = self._groups.get(key)
             if group is not None and group.pull_size and group.pull_size != shard.size:
                 raise ShardMismatch(model, handoff_id, "pulled", group.pull_size, shard.size)
+            keys = [key]
             if (group is not None and group.pull_size) or not shard.whole:
-                key = part_key(key, "pull", shard)
-            entry = self._entries.get(key)
+                keys = [part_key(key, "pull", shard)]  # a rank's part cut for pulling ...
+                if group is None or group.live:
+                    keys.append(part_key(key, "push", shard))  # ... or, streamed through, its pushing rank's own
+            entry = next((self._entries[k] for k in keys if k in self._entries), None)
             if entry is not None:
                 if not entry.committed or not entry.claimed:
                     raise StaleClaim(model, handoff_id, generation, "has lapsed; the hand-off went back to the pool")
@@ -609,7 +617,7 @@ class Store(TensorParallelGroups):
                 if entry.group is None or entry.group.ended == "confirmed":  # a sharded one: when its last rank has
                     self.events.confirmed(model, self._clock() - entry.created)
                 return
-            tomb = self._tombstones.get(key)
+            tomb = next((self._tombstones[k] for k in keys if k in self._tombstones), None)
             if tomb is None:
                 raise UnknownHandoff(model, handoff_id)
             if tomb.how == "confirmed" and tomb.generation == generation:

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -444,3 +445,118 @@ def test_a_draining_broker_lets_the_other_ranks_of_a_push_under_way_finish_and_h
     assert_same_bits(join_shards(contract, pulled, 4).state, full)
     stats = result["stats"]
     assert (stats.receiving, stats.ready, stats.claimed, stats.resident_bytes) == (0, 0, 0, 0)
+
+
+class Decoder:
+    """One decode rank pulling its part pipelined (`pull_tensors`) on a thread: what it got, and when."""
+
+    def __init__(self, client: HandoffClient, contract: Contract, handoff_id: str, rank: int, tp: int) -> None:
+        self.names: list[str] = []
+        self.result: object = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(client, contract, handoff_id, rank, tp), daemon=True)
+        self.thread.start()
+
+    def _run(self, client: HandoffClient, contract: Contract, handoff_id: str, rank: int, tp: int) -> None:
+        try:
+            pulled = client.pull_tensors(contract.model, handoff_id, shard=(rank, tp), timeout=20)
+            for carried, _ in pulled:
+                self.names.append(carried.name)
+            self.result = pulled.handoff
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            self.result = e
+        finally:
+            self.done.set()
+
+
+def stalled_rank_push(target: str, contract: Contract, full: dict, rank: int, tp: int, go: threading.Event,
+                      corrupt: bool = False) -> threading.Thread:  # fmt: skip
+    """Rank `rank` pushes half its chunks, waits for `go`, then the rest (the first of them corrupted if asked)."""
+    shard = Shard(rank, tp)
+    view = ShardContract.of(contract, shard, pushing=True)
+    frames = chunk_frames(view, shard_arrays(contract, full, shard, pushing=True), chunk_bytes=ODD_CHUNK)
+    half = len(frames) // 2
+
+    def stream():
+        yield header_frame(contract, "req", position=3, shard=(rank, tp))
+        yield from frames[:half]
+        go.wait(20)
+        rest = frames[half:]
+        if corrupt:
+            rest[0] = rest[0][:-1] + bytes([rest[0][-1] ^ 0xFF])  # the payload's last byte: the CRC no longer holds
+        yield from rest
+
+    def run():
+        try:
+            raw_push(target, stream(), timeout=20)
+        except Exception:  # noqa: BLE001 - a corrupted push is meant to fail; the decoders say how
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_at_equal_tp_sizes_each_decode_rank_streams_its_part_while_the_push_is_under_way(tp_broker):
+    contract = MODELS["llama-3-8b"]  # 8 KV heads, every tensor split: at TP 2 each rank pulls what it pushes
+    full = seeded_tensors(contract, seed=21)
+    go = threading.Event()
+    with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
+        decoders = [Decoder(client, contract, "req", rank, 2) for rank in range(2)]
+        push_rank(client, contract, "req", full, 0, 2)
+        pusher = stalled_rank_push(tp_broker.address, contract, full, 1, 2, go)
+
+        # Rank 1's push is half done: both decoders already hold tensors, and neither stream has ended, because
+        # the hand-off is not whole until rank 1 commits.
+        wait_until(lambda: len(decoders[0].names) == len(contract.carried) and decoders[1].names)
+        assert not any(d.done.is_set() for d in decoders)
+        assert 0 < len(decoders[1].names) < len(contract.carried)
+        go.set()
+        pusher.join(20)
+        for d in decoders:
+            assert d.done.wait(20)
+
+    for rank, d in enumerate(decoders):
+        assert_same_bits(d.result.state, shard_arrays(contract, full, Shard(rank, 2), pushing=False))
+    assert_holds_nothing(tp_broker)
+    assert not tp_broker.registry.get_sample_value("handoff_resharded_bytes_total", {"model": contract.model})
+    assert tp_broker.registry.get_sample_value("handoff_confirms_total", {"model": contract.model}) == 1
+
+
+def test_a_rank_failing_while_the_others_stream_through_aborts_every_decode_rank(tp_broker):
+    contract = MODELS["llama-3-8b"]
+    full = seeded_tensors(contract, seed=22)
+    go = threading.Event()
+    with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
+        decoders = [Decoder(client, contract, "req", rank, 2) for rank in range(2)]
+        push_rank(client, contract, "req", full, 0, 2)
+        pusher = stalled_rank_push(tp_broker.address, contract, full, 1, 2, go, corrupt=True)
+        wait_until(lambda: len(decoders[0].names) == len(contract.carried) and decoders[1].names)
+        go.set()
+        pusher.join(20)
+        for d in decoders:
+            assert d.done.wait(20)
+    assert all(isinstance(d.result, PushAborted) for d in decoders), [d.result for d in decoders]
+    assert_holds_nothing(tp_broker)
+
+
+@pytest.mark.parametrize("name,tp", [("qwen3-next", 2), ("qwen2-7b", 8)])
+def test_where_a_rank_pulls_more_than_it_pushes_the_decoders_wait_for_the_whole_push(tp_broker, name, tp):
+    contract = MODELS[name]  # conv rings only rank 0 pushes / KV heads replicated across ranks: the broker must cut
+    full = seeded_tensors(contract, seed=23)
+    go = threading.Event()
+    with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
+        decoders = [Decoder(client, contract, "req", rank, tp) for rank in range(tp)]
+        for rank in range(tp - 1):
+            push_rank(client, contract, "req", full, rank, tp)
+        pusher = stalled_rank_push(tp_broker.address, contract, full, tp - 1, tp, go)
+        wait_until(lambda: tp_broker.store.stats().resident_bytes > 0)
+        time.sleep(0.5)
+        assert not any(d.names for d in decoders)  # nothing streams before the last rank commits
+        go.set()
+        pusher.join(20)
+        for d in decoders:
+            assert d.done.wait(20)
+    for rank, d in enumerate(decoders):
+        assert_same_bits(d.result.state, shard_arrays(contract, full, Shard(rank, tp), pushing=False))
+    assert_holds_nothing(tp_broker)
