@@ -35,6 +35,7 @@ from handoff_client import (
     Shard,
     ShardLayout,
     ShardMismatch,
+    StaleClaim,
     WaitTimedOut,
     WrongLength,
     join_shards,
@@ -453,6 +454,7 @@ class Decoder:
     def __init__(self, client: HandoffClient, contract: Contract, handoff_id: str, rank: int, tp: int) -> None:
         self.names: list[str] = []
         self.result: object = None
+        self.claim = 0
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(client, contract, handoff_id, rank, tp), daemon=True)
         self.thread.start()
@@ -462,7 +464,7 @@ class Decoder:
             pulled = client.pull_tensors(contract.model, handoff_id, shard=(rank, tp), timeout=20)
             for carried, _ in pulled:
                 self.names.append(carried.name)
-            self.result = pulled.handoff
+            self.result, self.claim = pulled.handoff, pulled.claim
         except Exception as e:  # noqa: BLE001 - the test reads it
             self.result = e
         finally:
@@ -470,11 +472,11 @@ class Decoder:
 
 
 def stalled_rank_push(target: str, contract: Contract, full: dict, rank: int, tp: int, go: threading.Event,
-                      corrupt: bool = False) -> threading.Thread:  # fmt: skip
+                      corrupt: bool = False, chunk_bytes: int = ODD_CHUNK) -> threading.Thread:  # fmt: skip
     """Rank `rank` pushes half its chunks, waits for `go`, then the rest (the first of them corrupted if asked)."""
     shard = Shard(rank, tp)
     view = ShardContract.of(contract, shard, pushing=True)
-    frames = chunk_frames(view, shard_arrays(contract, full, shard, pushing=True), chunk_bytes=ODD_CHUNK)
+    frames = chunk_frames(view, shard_arrays(contract, full, shard, pushing=True), chunk_bytes=chunk_bytes)
     half = len(frames) // 2
 
     def stream():
@@ -521,6 +523,33 @@ def test_at_equal_tp_sizes_each_decode_rank_streams_its_part_while_the_push_is_u
     assert_holds_nothing(tp_broker)
     assert not tp_broker.registry.get_sample_value("handoff_resharded_bytes_total", {"model": contract.model})
     assert tp_broker.registry.get_sample_value("handoff_confirms_total", {"model": contract.model}) == 1
+    tp_broker.store.confirm(contract.model, "req", decoders[1].claim, Shard(1, 2))  # a repeated confirm: still fine
+    with pytest.raises(StaleClaim):
+        tp_broker.store.confirm(contract.model, "req", decoders[1].claim + 1, Shard(1, 2))
+
+
+def test_a_decode_rank_killed_while_streaming_through_leaves_its_part_for_the_next(tp_broker):
+    contract = LLAMA_1K  # 64 MiB a rank: more than the connection's buffers, so the stalled worker holds its stream
+    full = seeded_tensors(contract, seed=24)
+    go = threading.Event()
+    with HandoffClient(tp_broker.address, timeout=20) as client:
+        worker = subprocess.Popen(
+            [sys.executable, str(WORKERS), "pull-and-stall", tp_broker.address, contract.model, "req", "1", "2"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        pusher = stalled_rank_push(tp_broker.address, contract, full, 0, 2, go, chunk_bytes=1 << 20)
+        push_rank(client, contract, "req", full, 1, 2)
+        assert worker.stdout.readline().strip() == "stalled"  # it has rank 1's chunks while rank 0 is still pushing
+        assert tp_broker.store.stats().claimed == 1
+        worker.kill()
+        worker.wait(timeout=10)
+        wait_until(lambda: tp_broker.store.stats().claimed == 0)
+        go.set()
+        pusher.join(20)
+        pulled = pull_all_ranks(client, contract, "req", 2)
+    assert_same_bits(join_shards(contract, pulled, 2).state, full)
+    assert_holds_nothing(tp_broker)
 
 
 def test_a_rank_failing_while_the_others_stream_through_aborts_every_decode_rank(tp_broker):
