@@ -447,12 +447,14 @@ def role_handoff_rank(target: str, model: str, key: str, side: str, rank: int, t
         print("ready", flush=True)
         if side == "push":
             sys.stdin.readline()
-        t0 = time.monotonic()
+        t0 = first = time.monotonic()
         if side == "push":
             client.push(model, key, 1, mine, shard=(rank, tp))
         else:
-            client.pull(model, key, shard=(rank, tp), timeout=120)
-        print(json.dumps({"t0": t0, "t1": time.monotonic()}))
+            first = None
+            for _ in client.pull_tensors(model, key, shard=(rank, tp), timeout=120):
+                first = first or time.monotonic()
+        print(json.dumps({"t0": t0, "t1": time.monotonic(), "t_first": first}))
 
 
 def role_handoff_pairs(target: str, model: str, pairs: int, side: str, prefix: str) -> None:
@@ -772,10 +774,11 @@ class Bench:
     def resharding(self, model: str, nbytes: int) -> None:
         """The same hand-off pushed and pulled whole, at equal TP sizes, and resharded 4 -> 2 (the broker copies);
         every rank a process of its own, all pushing ranks starting together, timed from the first push's start to
-        the last pull's end."""
-        rows = {}
+        the last pull's end; and when the first decode rank had its first tensor, as a fraction of the push's
+        duration (equal TP sizes stream through; a reshard waits for the whole push)."""
+        rows, firsts = {}, {}
         for push_tp, pull_tp in ((1, 1), (2, 2), (4, 2)):
-            times = []
+            times, first = [], []
             for run in range(self.runs):
                 key = f"tp-{push_tp}-{pull_tp}-{run}"
                 pullers = [_spawn("handoff-rank", self.target, model, key, "pull", r, pull_tp) for r in range(pull_tp)]
@@ -787,12 +790,18 @@ class Bench:
                     pusher.stdin.write("go\n")
                     pusher.stdin.flush()
                 pushed, pulled = [_result(p) for p in pushers], [_result(p) for p in pullers]
-                times.append(max(r["t1"] for r in pulled) - min(r["t0"] for r in pushed))
+                start, pushed_at = min(r["t0"] for r in pushed), max(r["t1"] for r in pushed)
+                times.append(max(r["t1"] for r in pulled) - start)
+                first.append((min(r["t_first"] for r in pulled) - start) / (pushed_at - start))
             rows[f"{push_tp} -> {pull_tp}"] = nbytes / MiB / statistics.median(times)
+            firsts[f"{push_tp} -> {pull_tp}"] = statistics.median(first)
         whole = rows["1 -> 1"]
         self.results["resharding"] = {
             "bytes": nbytes,
-            "paths": {name: {"mib_s": mib_s, "vs_whole": mib_s / whole} for name, mib_s in rows.items()},
+            "paths": {
+                name: {"mib_s": mib_s, "vs_whole": mib_s / whole, "first_tensor_at": firsts[name]}
+                for name, mib_s in rows.items()
+            },
         }
 
     def concurrency(self, model: str, nbytes: int, levels: list[int]) -> None:
@@ -848,9 +857,15 @@ def report(results: dict) -> str:
             )
     if "resharding" in results:
         r = results["resharding"]
-        lines.append(f"\ntensor-parallel ranks, prefill TP -> decode TP ({r['bytes'] / MiB:.0f} MiB)   MiB/s   x whole")
+        lines.append(
+            f"\ntensor-parallel ranks, prefill TP -> decode TP ({r['bytes'] / MiB:.0f} MiB)   MiB/s   x whole"
+            "   first tensor at"
+        )
         for name, figures in r["paths"].items():
-            lines.append(f"  {name:<10} {figures['mib_s']:>36.0f} {figures['vs_whole']:>9.2f}")
+            lines.append(
+                f"  {name:<10} {figures['mib_s']:>36.0f} {figures['vs_whole']:>9.2f}"
+                f" {100 * figures['first_tensor_at']:>14.1f}% of the push"
+            )
     if "memory" in results:
         m = results["memory"]
         lines.append(

@@ -33,5 +33,5 @@ def test_the_benchmark_runs_every_path_and_reports_sane_figures(tmp_path: Path):
     assert figures["memory"]["bytes_held"] > 0 and figures["memory"]["broker_cpu_s_per_gib_push_then_pull"] > 0
     resharding = figures["resharding"]["paths"]
     assert set(resharding) == {"1 -> 1", "2 -> 2", "4 -> 2"} and resharding["1 -> 1"]["vs_whole"] == 1.0
-    assert all(path["mib_s"] > 0 for path in resharding.values())
+    assert all(path["mib_s"] > 0 and path["first_tensor_at"] > 0 for path in resharding.values())
     assert "x tcp relay" in result.stdout
