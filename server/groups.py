@@ -132,7 +132,7 @@ class TensorParallelGroups:
     def _cut(self, group: Group, size: int) -> bool:
         """Under the lock (released while copying): cut the group's pushed parts into `size` pulling ranks' parts,
         and free the pushed parts. False, cutting nothing, when the copies would not fit in `max_bytes` now."""
-        from .store import _Entry  # noqa: PLC0415 - store.py imports this module
+        from .store import _Entry, _run_later  # noqa: PLC0415 - store.py imports this module
 
         plans = _plans(group, size)
         extra = sum(p.new_bytes for p in plans)
@@ -142,12 +142,19 @@ class TensorParallelGroups:
         group.push_digests = {rank: entry.digest for rank, entry in group.pushed.items()}
         self._resident += extra  # reserved before the copies are made
         group.reserved += extra
+        for entry in group.pushed.values():  # the cut owns the chunks (by tensor) and frees each tensor's once built
+            entry.arrived, entry.ordered = [], []
         self._lock.release()
         try:
-            built = [reshard.build(p) for p in plans]
-        finally:
+            built = reshard.build_all(plans)
+        except BaseException:
             self._lock.acquire()
             group.cutting = False
+            if group.ended is None:  # its pushed parts are partly released: it cannot be cut again
+                _run_later(self._end_group(group, "aborted"))
+            raise
+        self._lock.acquire()
+        group.cutting = False
         if group.ended is not None:
             return True  # cancelled or lost meanwhile: the next look finds it gone
         now = self._clock()

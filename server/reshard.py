@@ -5,7 +5,8 @@ The pushing ranks' chunks stay as they arrived. For each pulling rank, each tens
                checked chunk frames go to the puller byte for byte, no copy; or
     assembled  its heads come from parts of one or more pushing ranks' arrays: copied, row by row, straight out
                of the received chunks into one new array, which is framed into new chunks with new CRC32Cs.
-Assembly is the only copy resharding adds, and only where the TP sizes differ. Plain numpy, no gRPC.
+Assembly is the only copy resharding adds, and only where the TP sizes differ; each pushed tensor's frames are freed
+as soon as every pulling rank has its heads of it. Plain numpy, no gRPC.
 """
 
 from __future__ import annotations
@@ -70,24 +71,38 @@ def plan(contract: Contract, pushed: Pushed, shard: Shard) -> ShardPlan:
     return ShardPlan(view, reuse, assemble)
 
 
-def build(shard_plan: ShardPlan, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[list[StoredChunk], str]:
-    """The shard's chunks in contract order (reused frames as they are, assembled ones new) and their digest."""
-    view = shard_plan.view
-    out: list[StoredChunk] = []
-    for index, carried in enumerate(view.carried):
-        if index in shard_plan.reuse:
-            out += [
-                StoredChunk(index, c.offset, c.length, c.crc, c.frame, c.data)
-                for c in sorted(shard_plan.reuse[index], key=lambda c: c.offset)
-            ]
-            continue
-        array = _assemble(view, index, shard_plan.assemble[index])
-        for offset in range(0, len(array), chunk_bytes):
-            frame = encode_chunk(carried.name, offset, array[offset : offset + chunk_bytes])
-            chunk = decode_chunk(frame)
-            assert chunk is not None  # encode_chunk's frames always decode
-            out.append(StoredChunk(index, offset, len(chunk.data), chunk.crc32c, frame, chunk.data))
-    return out, handoff_digest((c.index, c.offset, c.length, c.crc) for c in out)
+def build_all(plans: list[ShardPlan], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[list[StoredChunk], str]]:
+    """Every pulling rank's chunks in contract order (reused frames as they are, assembled ones new) and digest,
+    built tensor by tensor across the ranks. A pushed tensor's chunk lists are emptied once every rank has its heads
+    of it (unless a rank reuses them as they are), so its frames are freed while the cut goes on and the next
+    tensor's new frames land in their pages: the cut needs about one tensor's worth of fresh memory, not a second
+    copy of the hand-off (fresh pages, faulted in and zeroed, were most of a cut's time)."""
+    built: list[list[StoredChunk]] = [[] for _ in plans]
+    reused = {id(chunks) for p in plans for chunks in p.reuse.values()}
+    for name in [c.name for c in plans[0].view.whole.carried] if plans else []:
+        consumed: list[list[StoredChunk]] = []
+        for out, shard_plan in zip(built, plans):
+            index = shard_plan.view._index.get(name)
+            if index is None:
+                continue
+            if index in shard_plan.reuse:
+                out += [
+                    StoredChunk(index, c.offset, c.length, c.crc, c.frame, c.data)
+                    for c in sorted(shard_plan.reuse[index], key=lambda c: c.offset)
+                ]
+                continue
+            sources = shard_plan.assemble[index]
+            array = _assemble(shard_plan.view, index, sources)
+            for offset in range(0, len(array), chunk_bytes):
+                frame = encode_chunk(name, offset, array[offset : offset + chunk_bytes])
+                chunk = decode_chunk(frame)
+                assert chunk is not None  # encode_chunk's frames always decode
+                out.append(StoredChunk(index, offset, len(chunk.data), chunk.crc32c, frame, chunk.data))
+            consumed += [source.chunks for source in sources]
+        for chunks in consumed:
+            if id(chunks) not in reused:
+                chunks.clear()
+    return [(out, handoff_digest((c.index, c.offset, c.length, c.crc) for c in out)) for out in built]
 
 
 def _assemble(view: ShardContract, index: int, sources: list[_Source]) -> np.ndarray:
