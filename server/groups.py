@@ -55,6 +55,11 @@ class Group:
     def complete(self) -> bool:
         return len(self.pushed) == self.push_size and all(e.committed for e in self.pushed.values())
 
+    @property
+    def receiving(self) -> bool:
+        """Still being pushed, as status counts it: not whole yet, whether or not its ranks already stream through."""
+        return not self.complete and (not self.pull_size or self.live)
+
 
 def part_key(key: HandoffKey, side: str, shard: Shard) -> HandoffKey:
     """The internal key of one rank's part: the unit separator cannot appear in a caller's (printable) id."""

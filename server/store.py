@@ -248,12 +248,11 @@ class Store(TensorParallelGroups):
         with self._lock:
             entries = [e for e in self._entries.values() if e.group is None]
             groups = list(self._groups.values())
-            claimed = [any(e.claimed for e in g.pulled.values()) for g in groups]
+            claimed = [not g.receiving and any(e.claimed for e in g.pulled.values()) for g in groups]
             return StoreStats(
-                receiving=sum(not e.committed for e in entries)
-                + sum(not g.complete and not g.pull_size for g in groups),
+                receiving=sum(not e.committed for e in entries) + sum(g.receiving for g in groups),
                 ready=sum(e.committed and not e.claimed for e in entries)
-                + sum((g.complete or bool(g.pull_size)) and not c for g, c in zip(groups, claimed)),
+                + sum(not g.receiving and not c for g, c in zip(groups, claimed)),
                 claimed=sum(e.committed and e.claimed for e in entries) + sum(claimed),
                 resident_bytes=self._resident,
                 max_bytes=self.config.max_bytes,

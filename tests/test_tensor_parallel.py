@@ -513,6 +513,8 @@ def test_at_equal_tp_sizes_each_decode_rank_streams_its_part_while_the_push_is_u
         wait_until(lambda: len(decoders[0].names) == len(contract.carried) and decoders[1].names)
         assert not any(d.done.is_set() for d in decoders)
         assert 0 < len(decoders[1].names) < len(contract.carried)
+        stats = tp_broker.store.stats()
+        assert (stats.receiving, stats.ready, stats.claimed) == (1, 0, 0)  # one hand-off, still being pushed
         go.set()
         pusher.join(20)
         for d in decoders:
@@ -541,10 +543,11 @@ def test_a_decode_rank_killed_while_streaming_through_leaves_its_part_for_the_ne
         pusher = stalled_rank_push(tp_broker.address, contract, full, 0, 2, go, chunk_bytes=1 << 20)
         push_rank(client, contract, "req", full, 1, 2)
         assert worker.stdout.readline().strip() == "stalled"  # it has rank 1's chunks while rank 0 is still pushing
-        assert tp_broker.store.stats().claimed == 1
+        assert tp_broker.store.stats().receiving == 1  # being pushed still, and streaming through
         worker.kill()
         worker.wait(timeout=10)
-        wait_until(lambda: tp_broker.store.stats().claimed == 0)
+        broken = {"model": contract.model, "outcome": "broken"}
+        wait_until(lambda: tp_broker.registry.get_sample_value("handoff_pulls_total", broken) == 1)  # claim back
         go.set()
         pusher.join(20)
         pulled = pull_all_ranks(client, contract, "req", 2)
