@@ -10,6 +10,7 @@ heads is handoff_client/_shards.py, the cut itself server/reshard.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ class Group:
     push_size: int
     created: float
     pushed: dict[int, _Entry] = field(default_factory=dict)
-    push_digests: dict[int, str] = field(default_factory=dict)  # kept after the cut, so a retried push is known
+    push_digests: dict[int, str] = field(default_factory=dict)  # each rank's, from its commit: a retry is known
     pull_size: int = 0  # fixed by the first pull
     pulled: dict[int, _Entry] = field(default_factory=dict)
     # Streamed through: each pulling rank claims its pushing rank's own part and streams it as it arrives (`pulled`
@@ -112,18 +113,16 @@ class TensorParallelGroups:
         pushing rank's commit, so no rank's decoder holds a hand-off that is not whole."""
         if group.pull_size or group.cutting or group.complete or size != group.push_size:
             return False
-        for rank in range(size):
-            shard = Shard(rank, size)
-            pushes = ShardContract.of(group.contract, shard, pushing=True)
-            if pushes.carried != ShardContract.of(group.contract, shard, pushing=False).carried:
-                return False
+        if not _each_rank_pulls_what_it_pushes(group.contract, size):
+            return False
         group.pull_size, group.live, group.pulled = size, True, group.pushed
         logger.info("hand-off %s/%s streams through to %d pulling ranks as it is pushed", *group.key, size)
         return True
 
     def _adopt(self, entry: _Entry) -> Group:
         """Under the lock: a whole hand-off becomes a group of one pushing rank, for a sharded pull to cut."""
-        group = Group(entry.key, entry.contract, entry.position, 1, entry.created, pushed={0: entry})
+        group = Group(entry.key, entry.contract, entry.position, 1, entry.created, pushed={0: entry},
+                      push_digests={0: entry.digest})  # fmt: skip
         entry.group = group
         self._groups[entry.key] = group
         return group
@@ -144,7 +143,6 @@ class TensorParallelGroups:
         if self._resident + extra > self.config.max_bytes:
             return False
         group.cutting = True
-        group.push_digests = {rank: entry.digest for rank, entry in group.pushed.items()}
         self._resident += extra  # reserved before the copies are made
         group.reserved += extra
         for entry in group.pushed.values():  # the cut owns the chunks (by tensor) and frees each tensor's once built
@@ -205,6 +203,20 @@ class TensorParallelGroups:
             self._bury(group.key, how, generation if group.pull_size == 1 else 0, "")
         self._changed.notify_all()
         return interrupts
+
+
+@functools.lru_cache(maxsize=256)
+def _each_rank_pulls_what_it_pushes(contract: Contract, size: int) -> bool:
+    """Whether, at TP size `size` on both sides, every rank's pulling view is its pushing view (a pull waiting on a
+    group asks again at every wake, and the answer depends on nothing else)."""
+    for rank in range(size):
+        shard = Shard(rank, size)
+        if (
+            ShardContract.of(contract, shard, pushing=True).carried
+            != ShardContract.of(contract, shard, pushing=False).carried
+        ):
+            return False
+    return True
 
 
 def _pushed(group: Group) -> reshard.Pushed:
