@@ -159,16 +159,12 @@ class HandoffClient:
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
         self.retry = retry
-        all_options = CHANNEL_OPTIONS + tuple(options)
-        if tls_server_name:
-            all_options += (("grpc.ssl_target_name_override", tls_server_name),)
-        if credentials is None and (tls_root_certificates or tls_certificate_chain):
-            credentials = grpc.ssl_channel_credentials(tls_root_certificates, tls_private_key, tls_certificate_chain)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=all_options)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=all_options)
+        self._channel = make_channel(
+            target, CHANNEL_OPTIONS + tuple(options), credentials, tls_root_certificates=tls_root_certificates,
+            tls_certificate_chain=tls_certificate_chain, tls_private_key=tls_private_key,
+            tls_server_name=tls_server_name,
+        )  # fmt: skip
         self._contracts: dict[str, Contract] = {}
         unary = self._unary
         self._list, self._get, self._confirm = unary("ListContracts"), unary("GetContract"), unary("ConfirmHandoff")
@@ -411,6 +407,28 @@ class HandoffClient:
                     raise
                 logger.info("retrying in %.3f s after %s: %s", delay, type(e).__name__, e.message)
                 time.sleep(delay)
+
+
+def make_channel(
+    target: str,
+    options: tuple[tuple[str, object], ...] = (),
+    credentials: grpc.ChannelCredentials | None = None,
+    *,
+    tls_root_certificates: bytes | None = None,
+    tls_certificate_chain: bytes | None = None,
+    tls_private_key: bytes | None = None,
+    tls_server_name: str | None = None,
+) -> grpc.Channel:
+    """A channel to `target`: TLS when given a CA or a client certificate (PEM bytes; mutual TLS with both), or
+    `credentials` of any other kind; plaintext otherwise. `tls_server_name` overrides the name checked against the
+    broker's certificate."""
+    if tls_server_name:
+        options += (("grpc.ssl_target_name_override", tls_server_name),)
+    if credentials is None and (tls_root_certificates or tls_certificate_chain):
+        credentials = grpc.ssl_channel_credentials(tls_root_certificates, tls_private_key, tls_certificate_chain)
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
 
 
 def _destinations(contract: Contract, into: Mapping[str, np.ndarray] | None) -> list[np.ndarray] | None:

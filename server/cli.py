@@ -219,16 +219,11 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from handoff_client._client import make_channel
+
     tls = _connection(args)
-    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
-    if tls["tls_root_certificates"] or tls["tls_certificate_chain"]:
-        credentials = grpc.ssl_channel_credentials(
-            tls["tls_root_certificates"], tls["tls_private_key"], tls["tls_certificate_chain"]
-        )
-        channel = grpc.secure_channel(args.target, credentials, options=options)
-    else:
-        channel = grpc.insecure_channel(args.target)
-    with channel:
+    tls.pop("token")  # health needs none
+    with make_channel(args.target, **tls) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
         except grpc.RpcError as e:
