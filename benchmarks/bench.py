@@ -549,14 +549,11 @@ ROLES = {name[len("role_") :].replace("_", "-"): fn for name, fn in globals().it
 # -- the orchestra --------------------------------------------------------------------------------------------------
 
 
-def _spawn(*args: object) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(HERE), *map(str, args)], stdout=subprocess.PIPE, text=True)
-
-
-def _spawn_fed(*args: object) -> subprocess.Popen:
-    """A role process that waits for a line on its stdin before it starts."""
+def _spawn(*args: object, fed: bool = False) -> subprocess.Popen:
+    """A role process; `fed`: with a pipe to its stdin (a role that waits there for the line that starts it)."""
+    stdin = subprocess.PIPE if fed else None
     return subprocess.Popen(
-        [sys.executable, str(HERE), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, str(HERE), *map(str, args)], stdin=stdin, stdout=subprocess.PIPE, text=True
     )
 
 
@@ -782,7 +779,7 @@ class Bench:
             for run in range(self.runs):
                 key = f"tp-{push_tp}-{pull_tp}-{run}"
                 pullers = [_spawn("handoff-rank", self.target, model, key, "pull", r, pull_tp) for r in range(pull_tp)]
-                pushers = [_spawn_fed("handoff-rank", self.target, model, key, "push", r, push_tp)
+                pushers = [_spawn("handoff-rank", self.target, model, key, "push", r, push_tp, fed=True)
                            for r in range(push_tp)]  # fmt: skip
                 for process in pullers + pushers:
                     _wait_ready(process)
