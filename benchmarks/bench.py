@@ -18,6 +18,7 @@ verified at the consumer (CRC32C against the producer's). Paths:
                   the pull is made before the push, so the broker streams the push through as it is checked
     grpc floor    (latency only) handoff's three calls - a 2-message client stream, a 3-message server stream, a
                   unary confirm - carrying the same bytes to a server that does nothing: what grpcio itself costs
+    grpc 1 call   (latency only) one empty unary call to that server: what grpcio costs per call on this machine
 Every consumer allocates and touches its destination before the clock starts, as a decoder's preallocated cache is
 (handoff pulls `into=` it). Every process runs with `handoff_client.tune_allocator()`, as the broker does: received
 gRPC messages then reuse mapped pages (it speeds the naive gRPC relay as much as handoff; TCP and Redis allocate
@@ -532,6 +533,13 @@ def role_latency(kind: str, endpoint: str, nbytes: int, iterations: int) -> None
                 out[: len(message)] = np.frombuffer(message, np.uint8)
             confirm(b"")
             seconds.append(time.perf_counter() - t)
+    elif kind == "grpc-call":
+        channel, *_ = _naive_channel(int(endpoint))
+        call = channel.unary_unary("/naive.Relay/FloorConfirm", identity, identity)
+        for _ in range(iterations):
+            t = time.perf_counter()
+            call(b"")
+            seconds.append(time.perf_counter() - t)
     elif kind == "naive-grpc":
         _, push, pull, pb = _naive_channel(int(endpoint))
         raw = data.tobytes()
@@ -757,7 +765,8 @@ class Bench:
         port_file = self.workdir / "tcp-latency.port"
         relay = _spawn("tcp-relay", port_file, iterations)
         kinds = {"tcp relay": ("tcp", _port_from(port_file)), "naive grpc": ("naive-grpc", self.naive_port),
-                 "grpc floor": ("grpc-floor", self.naive_port), "handoff": ("handoff", self.target)}  # fmt: skip
+                 "grpc floor": ("grpc-floor", self.naive_port), "grpc 1 call": ("grpc-call", self.naive_port),
+                 "handoff": ("handoff", self.target)}  # fmt: skip
         if self.redis_port:
             kinds["redis relay"] = ("redis", self.redis_port)
         for label, (kind, endpoint) in kinds.items():
