@@ -4,6 +4,10 @@ whole once every pushing rank has committed. The first pull fixes the pulling TP
 rank (server/reshard.py); each is claimed, leased and confirmed on its own, exactly as a whole hand-off is, and the
 group is gone once every pulling rank has confirmed. Any rank's push failing, or any part expiring, frees the group.
 
+A pull made while the push is under way does not wait for it: where each pulling rank needs exactly what one
+pushing rank sends, the group streams through (`_stream_through`: no cut at all); otherwise the cut is made as the
+push arrives (`_cut_as_pushed`), tensor by tensor, each as soon as every pushing rank holding it has all of it.
+
 These are the Store's methods for it (a mixin: they run under the store's lock, on its entries); the arithmetic of
 heads is handoff_client/_shards.py, the cut itself server/reshard.py.
 """
@@ -21,6 +25,7 @@ from handoff_client._errors import HandoffExists, ShardMismatch
 from handoff_client._shards import WHOLE, Shard, ShardContract
 
 from . import reshard
+from .pushes import StoredChunk
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -47,6 +52,13 @@ class Group:
     # Streamed through: each pulling rank claims its pushing rank's own part and streams it as it arrives (`pulled`
     # is then `pushed` itself), because at this TP size every rank pulls exactly what it pushes.
     live: bool = False
+    # Cut as pushed: the pulling ranks' parts exist, uncommitted, and each tensor is cut into them as soon as every
+    # pushing rank that holds it has all of it; they commit once every pushing rank has (`_finish_cut`).
+    feeding: bool = False
+    plans: list[reshard.ShardPlan] = field(default_factory=list)
+    holders: dict[str, list[tuple[_Entry, int]]] = field(default_factory=dict)  # per tensor: (pushed part, index)
+    built: set[str] = field(default_factory=set)  # tensors cut, or being cut
+    building: int = 0  # cuts of tensors under way, outside the lock
     confirmed: set[int] = field(default_factory=set)
     cutting: bool = False
     reserved: int = 0
@@ -58,8 +70,9 @@ class Group:
 
     @property
     def receiving(self) -> bool:
-        """Still being pushed, as status counts it: not whole yet, whether or not its ranks already stream through."""
-        return not self.complete and (not self.pull_size or self.live)
+        """Still being pushed, as status counts it: not whole yet, whether or not its ranks already stream through or
+        are cut as it arrives."""
+        return not self.complete and (not self.pull_size or self.live or self.feeding)
 
 
 def part_key(key: HandoffKey, side: str, shard: Shard) -> HandoffKey:
@@ -101,6 +114,8 @@ class TensorParallelGroups:
             raise HandoffExists(model, handoff_id, f"was pushed at position {group.position}, not {position}")
         if group.live:  # no cut: a rank's repeat meets its part, or (once confirmed) the digest it had
             return group.push_digests.get(shard.rank, "") if shard.rank in group.confirmed else None
+        if group.feeding:  # a committed rank's frames are being cut: its repeat is checked by digest
+            return group.push_digests.get(shard.rank)
         if group.pull_size or group.cutting:
             return group.push_digests.get(shard.rank, "")
         return None
@@ -127,11 +142,120 @@ class TensorParallelGroups:
         self._groups[entry.key] = group
         return group
 
-    def _whole_at_last(self, group: Group) -> None:
-        """Under the lock, as a rank commits: a live group's pulling ranks may end their streams once all have."""
+    def _whole_at_last(self, group: Group) -> list[str]:
+        """Under the lock, as a rank commits: a live group's pulling ranks may end their streams once all have; a
+        group cut as pushed commits its pulling ranks' parts once every tensor is cut (the tensors still to cut are
+        returned, for the committing thread to cut outside the lock)."""
         if group.live and group.complete:
             for entry in group.pushed.values():
                 entry.changed.notify_all()
+        if group.feeding and group.complete:
+            ready = self._ready_to_cut(group)
+            self._finish_cut(group)
+            return ready
+        return []
+
+    def _cut_as_pushed(self, group: Group, size: int) -> bool:
+        """Under the lock (released while copying), at a pull of a group still being pushed that cannot stream
+        through: make the pulling ranks' parts now and cut each tensor into them as soon as every pushing rank holding
+        it has all of it, so decode ranks start on the first layers while the prefill ranks still push the last.
+        Each stream's end still waits for the last pushing rank's commit. False, changing nothing, while a pushing
+        rank has not begun (its view decides where heads come from) or when the copies would not fit now."""
+        from .store import _Entry  # noqa: PLC0415 - store.py imports this module
+
+        if group.pull_size or group.cutting or group.complete or len(group.pushed) != group.push_size:
+            return False
+        extra = self._cut_bytes(group, size)
+        if self._resident + extra > self.config.max_bytes:
+            return False
+        self._resident += extra
+        group.reserved += extra
+        for entry in group.pushed.values():  # from now on a part's chunks are kept by tensor, for the cut
+            entry.by_tensor = [[] for _ in entry.contract.carried]
+            for chunk in entry.arrived:
+                entry.by_tensor[chunk.index].append(chunk)
+            entry.arrived = []
+        group.plans = _plans(group, size)
+        for rank, view in _pushed(group).items():
+            for index, carried in enumerate(view[0].carried):
+                group.holders.setdefault(carried.name, []).append((group.pushed[rank], index))
+        ttl = min(entry.ttl for entry in group.pushed.values())
+        for rank, plan in enumerate(group.plans):
+            part = _Entry(part_key(group.key, "pull", Shard(rank, size)), plan.view, group.position, ttl, None,
+                          threading.Condition(self._lock))  # fmt: skip
+            part.created, part.group, part.rank, part.cut_part = group.created, group, rank, True
+            self._entries[part.key] = part
+            group.pulled[rank] = part
+        group.pull_size, group.feeding = size, True
+        self.events.resharded(group.key[0], extra)
+        logger.info("hand-off %s/%s is cut for %d pulling ranks as it is pushed", *group.key, size)
+        ready = self._ready_to_cut(group)
+        if ready:
+            self._lock.release()
+            try:
+                self._cut_tensors(group, ready)
+            finally:
+                self._lock.acquire()
+        return True
+
+    def _ready_to_cut(self, group: Group) -> list[str]:
+        """Under the lock: the tensors every pushing rank holding them now has whole and that nobody is cutting yet,
+        marked as being cut (the caller cuts them with `_cut_tensors`, outside the lock)."""
+        if not group.feeding or group.ended is not None:
+            return []
+        ready = [
+            name
+            for name, holders in group.holders.items()
+            if name not in group.built and all(entry.spans[index].complete for entry, index in holders)
+        ]
+        group.built.update(ready)
+        group.building += bool(ready)
+        return ready
+
+    def _cut_tensors(self, group: Group, names: list[str]) -> None:
+        """Outside the lock: cut these tensors into the pulling ranks' parts and hand them to their streams."""
+        try:
+            built = [reshard.build_tensor(group.plans, name) for name in names]
+        except BaseException:
+            from .store import _run  # noqa: PLC0415 - store.py imports this module
+
+            with self._lock:
+                group.building -= 1
+                interrupts = self._end_group(group, "aborted") if group.ended is None else []
+            _run(interrupts)
+            raise
+        with self._lock:
+            group.building -= 1
+            if group.ended is not None:
+                return  # cancelled, or a rank failed, meanwhile: its parts are gone
+            for per_rank in built:
+                for rank, chunks in enumerate(per_rank):
+                    if chunks:
+                        part = group.pulled[rank]
+                        part.arrived += chunks
+                        part.changed.notify_all()
+            self._finish_cut(group)
+
+    def _finish_cut(self, group: Group) -> None:
+        """Under the lock: once every pushing rank has committed and every tensor is cut, the pulling ranks' parts
+        commit (their streams may end) and the pushed parts go; their frames live on in the parts that reuse them."""
+        if not group.feeding or group.ended is not None or not group.complete or group.building:
+            return
+        if len(group.built) != len(group.holders):
+            return  # the committing thread cuts what is left, then comes back here
+        now = self._clock()
+        committed_at = max(entry.committed_at for entry in group.pushed.values())
+        for part in group.pulled.values():
+            part.ordered = sorted(part.arrived, key=lambda c: (c.index, c.offset))
+            part.digest = reshard.digest_of(part.ordered)
+            part.committed, part.committed_at, part.expires_at = True, committed_at, now + part.ttl
+            part.changed.notify_all()
+        for entry in list(group.pushed.values()):
+            group.reserved += entry.reserved  # the pulling ranks' parts share these frames
+            self._resident += entry.reserved
+            self._free(entry, "cut")
+        group.pushed, group.feeding, group.holders = {}, False, {}
+        self._changed.notify_all()
 
     def _cut(self, group: Group, size: int) -> bool:
         """Under the lock (released while copying): cut the group's pushed parts into `size` pulling ranks' parts,
@@ -220,15 +344,15 @@ def _each_rank_pulls_what_it_pushes(contract: Contract, size: int) -> bool:
 
 
 def _pushed(group: Group) -> reshard.Pushed:
-    """The pushed parts as the cut reads them: each rank's view of the contract (a whole push's is rank 0 of 1)."""
-    return {
-        rank: (
-            entry.contract if isinstance(entry.contract, ShardContract)
-            else ShardContract.of(entry.contract, WHOLE, pushing=True),
-            entry.by_tensor,
-        )
-        for rank, entry in group.pushed.items()
-    }  # fmt: skip
+    """The pushed parts as the cut reads them: each rank's view of the contract (a whole push's is rank 0 of 1), and
+    its chunks by tensor (none yet for a part still being pushed and not cut as it arrives: enough to size a cut)."""
+    pushed: dict[int, tuple[ShardContract, list[list[StoredChunk]]]] = {}
+    for rank, entry in group.pushed.items():
+        view = entry.contract
+        if not isinstance(view, ShardContract):
+            view = ShardContract.of(view, WHOLE, pushing=True)
+        pushed[rank] = (view, entry.by_tensor or [[] for _ in view.carried])
+    return pushed
 
 
 def _plans(group: Group, size: int) -> list[reshard.ShardPlan]:

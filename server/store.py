@@ -137,6 +137,7 @@ class _Entry:
     reserved: int = 0  # bytes of `max_bytes` this entry holds (a group's pulling ranks hold theirs in the group)
     group: Group | None = None  # the tensor-parallel hand-off this entry is one rank's part of
     rank: int = 0
+    cut_part: bool = False  # a pulling rank's part, filled by the cut (no push of its own to time out)
 
     @property
     def nbytes(self) -> int:
@@ -319,6 +320,12 @@ class Store(TensorParallelGroups):
                         if not tomb.digest:  # a tensor-parallel hand-off: its parts' digests went with it
                             raise HandoffGone(model, handoff_id, _gone_words("confirmed"))
                         return _RepeatPush(self, contract, key, delivered_digest=tomb.digest)
+                    if held is not None and group is not None and group.feeding:
+                        # Its chunks are being cut for decode ranks already: the hand-off starts over, every rank.
+                        logger.info("push of %s/%s replaces a rank's push being cut: every rank must push again",
+                                    model, handoff_id)  # fmt: skip
+                        interrupts += self._end_group(group, "aborted")
+                        continue
                     if held is not None:  # a push of this id in flight: this one replaces it
                         logger.info("push of %s/%s replaces one still in flight", model, handoff_id)
                         interrupts += self._free(held, "replaced")
@@ -411,21 +418,32 @@ class Store(TensorParallelGroups):
     def _append(self, session: _NewPush, chunk: StoredChunk) -> None:
         with self._lock:
             entry = self._owned(session)  # first: a stream a resume replaced must not mark bytes it will not keep
-            entry.spans[chunk.index].add(chunk.offset, chunk.length)
+            spans = entry.spans[chunk.index]
+            spans.add(chunk.offset, chunk.length)
             entry.received.append((chunk.index, chunk.offset, chunk.length, chunk.crc))
-            entry.arrived.append(chunk)
             entry.push_activity = self._clock()
-            if entry.claimed:
-                entry.changed.notify_all()
+            group = entry.group
+            if group is not None and group.feeding:  # cut as it arrives: kept by tensor, for the cut
+                entry.by_tensor[chunk.index].append(chunk)
+                ready = self._ready_to_cut(group) if spans.complete else []
+            else:
+                entry.arrived.append(chunk)
+                ready = []
+                if entry.claimed:
+                    entry.changed.notify_all()
+        if ready:
+            self._cut_tensors(group, ready)
 
     def _commit(self, session: _NewPush, digest: str) -> None:
         with self._lock:
             entry = self._owned(session)
-            entry.ordered = sorted(entry.arrived, key=lambda c: (c.index, c.offset))
-            entry.by_tensor = [[] for _ in entry.contract.carried]
-            for chunk in entry.ordered:
-                entry.by_tensor[chunk.index].append(chunk)
-            entry.starts = [[c.offset for c in run] for run in entry.by_tensor]
+            group = entry.group
+            if group is None or not group.feeding:  # (a part being cut as it arrives keeps its chunks by tensor)
+                entry.ordered = sorted(entry.arrived, key=lambda c: (c.index, c.offset))
+                entry.by_tensor = [[] for _ in entry.contract.carried]
+                for chunk in entry.ordered:
+                    entry.by_tensor[chunk.index].append(chunk)
+                entry.starts = [[c.offset for c in run] for run in entry.by_tensor]
             entry.digest = digest
             entry.committed = True
             entry.committed_at = self._clock()
@@ -434,9 +452,12 @@ class Store(TensorParallelGroups):
             entry.expires_at = self._clock() + entry.ttl
             entry.changed.notify_all()
             self._changed.notify_all()
-            if entry.group is not None:
-                entry.group.push_digests[entry.rank] = digest
-                self._whole_at_last(entry.group)
+            ready = []
+            if group is not None:
+                group.push_digests[entry.rank] = digest
+                ready = self._whole_at_last(group)
+        if ready:
+            self._cut_tensors(group, ready)
 
     def _abort(self, session: _NewPush) -> None:
         with self._lock:
@@ -477,8 +498,8 @@ class Store(TensorParallelGroups):
         """Claim a hand-off, waiting up to `wait` seconds for its push to begin; a claim made while the push is under
         way streams its chunks as they arrive (`feed`). `supersedes` names the caller's own earlier claim, which
         this one replaces if it still stands. With a `shard`, or of a tensor-parallel push, the claim is on one
-        pulling rank's part: once every pushing rank has committed, or at once when the group streams through
-        (groups.py, `_stream_through`)."""
+        pulling rank's part: at once while every pushing rank is under way (groups.py: `_stream_through`, or
+        `_cut_as_pushed`), else once every pushing rank has committed."""
         contract = self.contract(model)
         _check_id(model, handoff_id)
         if not shard.whole:
@@ -508,6 +529,8 @@ class Store(TensorParallelGroups):
                             continue
                         short_of_room = True
                         entry = None
+                    elif self._cut_as_pushed(group, shard.size):
+                        continue
                     else:
                         entry = None  # the push, or the cut, is under way
                 elif not shard.whole:
@@ -653,14 +676,15 @@ class Store(TensorParallelGroups):
                 if self._entries.get(entry.key) is not entry:
                     continue  # freed with its group earlier in this sweep
                 model, handoff_id = entry.group.key if entry.group is not None else entry.key
-                if not entry.committed and entry.push is None and now >= (entry.suspended_until or now):
+                pushing = not entry.committed and not entry.cut_part  # (a part being cut times out with its push)
+                if pushing and entry.push is None and now >= (entry.suspended_until or now):
                     logger.info("broken push of %s/%s not resumed in time: freed", model, handoff_id)
                     interrupts += self._free(entry, "aborted")
-                elif not entry.committed and now - entry.created >= self.config.push_deadline:
+                elif pushing and now - entry.created >= self.config.push_deadline:
                     logger.info("push of %s/%s still unfinished after %ss: aborted", model, handoff_id,
                                 self.config.push_deadline)  # fmt: skip
                     interrupts += self._free(entry, "aborted")
-                elif not entry.committed and now - entry.push_activity >= self.config.idle_timeout:
+                elif pushing and now - entry.push_activity >= self.config.idle_timeout:
                     logger.info(
                         "push of %s/%s sent nothing for %ss: aborted", model, handoff_id, self.config.idle_timeout
                     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 import subprocess
 import sys
 import threading
@@ -42,6 +43,7 @@ from handoff_client import (
     shard_arrays,
 )
 from handoff_client._contract import Carried
+from handoff_client._frames import decode_chunk
 from handoff_client._shards import ShardContract, held_heads, pushes
 from test_claims import wait_until
 from proxy import Proxy
@@ -530,8 +532,9 @@ def test_at_equal_tp_sizes_each_decode_rank_streams_its_part_while_the_push_is_u
         tp_broker.store.confirm(contract.model, "req", decoders[1].claim + 1, Shard(1, 2))
 
 
-def test_a_decode_rank_killed_while_streaming_through_leaves_its_part_for_the_next(tp_broker):
-    contract = LLAMA_1K  # 64 MiB a rank: more than the connection's buffers, so the stalled worker holds its stream
+@pytest.mark.parametrize("push_tp", [2, 4])  # streamed through; cut as pushed
+def test_a_decode_rank_killed_while_receiving_a_push_under_way_leaves_its_part_for_the_next(tp_broker, push_tp):
+    contract = LLAMA_1K  # 64 MiB a decode rank: more than the connection's buffers, so the stalled worker holds it
     full = seeded_tensors(contract, seed=24)
     go = threading.Event()
     with HandoffClient(tp_broker.address, timeout=20) as client:
@@ -540,10 +543,11 @@ def test_a_decode_rank_killed_while_streaming_through_leaves_its_part_for_the_ne
             stdout=subprocess.PIPE,
             text=True,
         )
-        pusher = stalled_rank_push(tp_broker.address, contract, full, 0, 2, go, chunk_bytes=1 << 20)
-        push_rank(client, contract, "req", full, 1, 2)
-        assert worker.stdout.readline().strip() == "stalled"  # it has rank 1's chunks while rank 0 is still pushing
-        assert tp_broker.store.stats().receiving == 1  # being pushed still, and streaming through
+        pusher = stalled_rank_push(tp_broker.address, contract, full, 0, push_tp, go, chunk_bytes=1 << 20)
+        for rank in range(1, push_tp):
+            push_rank(client, contract, "req", full, rank, push_tp)
+        assert worker.stdout.readline().strip() == "stalled"  # it has chunks while rank 0 is still pushing
+        assert tp_broker.store.stats().receiving == 1  # being pushed still
         worker.kill()
         worker.wait(timeout=10)
         broken = {"model": contract.model, "outcome": "broken"}
@@ -555,15 +559,18 @@ def test_a_decode_rank_killed_while_streaming_through_leaves_its_part_for_the_ne
     assert_holds_nothing(tp_broker)
 
 
-def test_a_rank_failing_while_the_others_stream_through_aborts_every_decode_rank(tp_broker):
+@pytest.mark.parametrize("push_tp", [2, 4])  # streamed through; cut as pushed
+def test_a_rank_failing_while_decode_ranks_receive_aborts_every_decode_rank(tp_broker, push_tp):
     contract = MODELS["llama-3-8b"]
     full = seeded_tensors(contract, seed=22)
     go = threading.Event()
+    last = push_tp - 1
     with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
         decoders = [Decoder(client, contract, "req", rank, 2) for rank in range(2)]
-        push_rank(client, contract, "req", full, 0, 2)
-        pusher = stalled_rank_push(tp_broker.address, contract, full, 1, 2, go, corrupt=True)
-        wait_until(lambda: len(decoders[0].names) == len(contract.carried) and decoders[1].names)
+        for rank in range(last):
+            push_rank(client, contract, "req", full, rank, push_tp)
+        pusher = stalled_rank_push(tp_broker.address, contract, full, last, push_tp, go, corrupt=True)
+        wait_until(lambda: all(d.names for d in decoders))
         go.set()
         pusher.join(20)
         for d in decoders:
@@ -572,23 +579,109 @@ def test_a_rank_failing_while_the_others_stream_through_aborts_every_decode_rank
     assert_holds_nothing(tp_broker)
 
 
-@pytest.mark.parametrize("name,tp", [("qwen3-next", 2), ("qwen2-7b", 8)])
-def test_where_a_rank_pulls_more_than_it_pushes_the_decoders_wait_for_the_whole_push(tp_broker, name, tp):
-    contract = MODELS[name]  # conv rings only rank 0 pushes / KV heads replicated across ranks: the broker must cut
+def finished_tensors(contract: Contract, full: dict, rank: int, tp: int) -> set[str]:
+    """The tensors every pushing rank holding them has sent whole, once every rank but `rank` has pushed and `rank`
+    has sent the first half of its frames (`stalled_rank_push`)."""
+    shard = Shard(rank, tp)
+    view = ShardContract.of(contract, shard, pushing=True)
+    frames = chunk_frames(view, shard_arrays(contract, full, shard, pushing=True), chunk_bytes=ODD_CHUNK)
+    sent: Counter[str] = Counter()
+    for frame in frames[: len(frames) // 2]:
+        chunk = decode_chunk(frame)
+        sent[chunk.tensor] += len(chunk.data)
+    return {c.name for c in contract.carried} - {c.name for c in view.carried if sent[c.name] < c.nbytes}
+
+
+CUT_AS_PUSHED = [
+    ("llama-3-8b", 4, 2),  # each decode rank's heads come from two prefill ranks
+    ("llama-3-8b", 2, 4),  # each from part of one
+    ("qwen3-next", 2, 2),  # conv rings only rank 0 pushes, which rank 1 pulls too
+    ("qwen2-7b", 8, 8),  # KV heads replicated: the last rank pushes nothing but its header
+]
+
+
+@pytest.mark.parametrize("name,push_tp,pull_tp", CUT_AS_PUSHED)
+def test_where_ranks_pull_other_heads_than_they_push_each_tensor_is_cut_as_soon_as_every_rank_has_sent_it(
+    tp_broker, name, push_tp, pull_tp
+):
+    contract = MODELS[name]
     full = seeded_tensors(contract, seed=23)
     go = threading.Event()
+    last = push_tp - 1
     with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
-        decoders = [Decoder(client, contract, "req", rank, tp) for rank in range(tp)]
-        for rank in range(tp - 1):
-            push_rank(client, contract, "req", full, rank, tp)
-        pusher = stalled_rank_push(tp_broker.address, contract, full, tp - 1, tp, go)
-        wait_until(lambda: tp_broker.store.stats().resident_bytes > 0)
-        time.sleep(0.5)
-        assert not any(d.names for d in decoders)  # nothing streams before the last rank commits
+        decoders = [Decoder(client, contract, "req", rank, pull_tp) for rank in range(pull_tp)]
+        for rank in range(last):
+            push_rank(client, contract, "req", full, rank, push_tp)
+        pusher = stalled_rank_push(tp_broker.address, contract, full, last, push_tp, go)
+
+        # The last prefill rank has sent half its frames: each decode rank holds exactly its tensors that every
+        # prefill rank has sent whole, and no stream ends, because the hand-off is not whole until that rank commits.
+        finished = finished_tensors(contract, full, last, push_tp)
+        views = [ShardContract.of(contract, Shard(rank, pull_tp), pushing=False) for rank in range(pull_tp)]
+        expected = [sorted(c.name for c in view.carried if c.name in finished) for view in views]
+        assert any(expected)  # some tensors can go before the last rank is done
+        wait_until(lambda: [len(d.names) for d in decoders] == [len(e) for e in expected])
+        time.sleep(0.3)  # nothing more comes
+        assert [sorted(d.names) for d in decoders] == expected
+        assert not any(d.done.is_set() for d in decoders)
+        assert tp_broker.store.stats().receiving == 1
         go.set()
         pusher.join(20)
         for d in decoders:
             assert d.done.wait(20)
     for rank, d in enumerate(decoders):
-        assert_same_bits(d.result.state, shard_arrays(contract, full, Shard(rank, tp), pushing=False))
+        assert_same_bits(d.result.state, shard_arrays(contract, full, Shard(rank, pull_tp), pushing=False))
     assert_holds_nothing(tp_broker)
+    moved = tp_broker.registry.get_sample_value("handoff_resharded_bytes_total", {"model": contract.model})
+    assert (moved > 0) == heads_move(contract, push_tp, pull_tp)
+
+
+def being_cut(
+    client: HandoffClient, contract: Contract, full: dict, go: threading.Event
+) -> tuple[list, threading.Thread]:
+    """A TP 4 -> 2 hand-off under way: ranks 0-2 pushed, rank 3 stalled half-way (until `go`), and two decode
+    ranks already holding the tensors cut so far. Its decoders and rank 3's stream."""
+    decoders = [Decoder(client, contract, "req", rank, 2) for rank in range(2)]
+    for rank in range(3):
+        push_rank(client, contract, "req", full, rank, 4)
+    stalled = stalled_rank_push(client.target, contract, full, 3, 4, go)
+    wait_until(lambda: all(d.names for d in decoders))
+    return decoders, stalled
+
+
+def test_a_rank_pushed_again_while_its_part_is_being_cut_starts_the_hand_off_over(tp_broker):
+    contract = MODELS["llama-3-8b"]
+    full = seeded_tensors(contract, seed=25)
+    go = threading.Event()
+    with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
+        decoders, stalled = being_cut(client, contract, full, go)
+        push_rank(client, contract, "req", full, 3, 4)  # rank 3 again, whole: its first stream's frames are cut
+        for d in decoders:
+            assert d.done.wait(20)
+        assert all(isinstance(d.result, PushAborted) for d in decoders), [d.result for d in decoders]
+        go.set()
+        stalled.join(20)  # the first stream of rank 3 is told it was replaced
+        for rank in range(3):  # every other rank pushes again, as PushAborted told the engine
+            push_rank(client, contract, "req", full, rank, 4)
+        pulled = pull_all_ranks(client, contract, "req", 2)
+    assert_same_bits(join_shards(contract, pulled, 2).state, full)
+    assert_holds_nothing(tp_broker)
+
+
+def test_a_hand_off_cancelled_while_being_cut_frees_every_part(tp_broker):
+    contract = MODELS["llama-3-8b"]
+    full = seeded_tensors(contract, seed=26)
+    go = threading.Event()
+    with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
+        decoders, stalled = being_cut(client, contract, full, go)
+        assert client.cancel(contract.model, "req")
+        for d in decoders:
+            assert d.done.wait(20)
+        # (CallCancelled: the cancel cut a stream the broker was writing to, before it could say why)
+        results = [d.result for d in decoders]
+        assert all(isinstance(r, (HandoffCancelled, CallCancelled)) for r in results), results
+        go.set()
+        stalled.join(20)
+        assert_holds_nothing(tp_broker)
+        with pytest.raises(HandoffGone, match="cancelled"):  # and it stays cancelled for a late rank
+            push_rank(client, contract, "req", full, 3, 4)
