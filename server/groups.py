@@ -208,8 +208,9 @@ class TensorParallelGroups:
             for name, holders in group.holders.items()
             if name not in group.built and all(entry.spans[index].complete for entry, index in holders)
         ]
-        group.built.update(ready)
-        group.building += bool(ready)
+        if ready:
+            group.built.update(ready)
+            group.building += 1
         return ready
 
     def _cut_tensors(self, group: Group, names: list[str]) -> None:
@@ -254,7 +255,7 @@ class TensorParallelGroups:
             group.reserved += entry.reserved  # the pulling ranks' parts share these frames
             self._resident += entry.reserved
             self._free(entry, "cut")
-        group.pushed, group.feeding, group.holders = {}, False, {}
+        group.pushed, group.feeding, group.holders, group.plans = {}, False, {}, []
         self._changed.notify_all()
 
     def _cut(self, group: Group, size: int) -> bool:

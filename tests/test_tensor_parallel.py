@@ -407,24 +407,29 @@ def test_many_sharded_hand_offs_at_once_with_cancels_lose_and_double_nothing(tp_
     assert_holds_nothing(tp_broker)
 
 
-def test_a_rank_whose_connection_breaks_resumes_its_own_part_and_sends_only_the_rest(tp_broker):
+@pytest.mark.parametrize("pulled_meanwhile", [False, True])  # True: the part is being cut as it arrives
+def test_a_rank_whose_connection_breaks_resumes_its_own_part_and_sends_only_the_rest(tp_broker, pulled_meanwhile):
     contract = MODELS["qwen3-next"]
     full = seeded_tensors(contract)
     rank0 = shard_arrays(contract, full, Shard(0, 2), pushing=True)
     part_bytes = sum(a.nbytes for a in rank0.values())
     proxy = Proxy(tp_broker.port)
-    try:
-        proxy.cut_after(part_bytes // 2)  # rank 0's connection dies halfway through its part
-        with HandoffClient(proxy.address, chunk_bytes=64 << 10) as client:
-            result = client.push(contract.model, "req", 3, rank0, shard=(0, 2), resumable=True)
-        assert proxy.connections == 2 and not result.duplicate
-        assert proxy.carried[1] < part_bytes * 0.75  # the retry sent only what the broker did not hold
-    finally:
-        proxy.close()
     with HandoffClient(tp_broker.address, timeout=20) as client:
-        rank1 = shard_arrays(contract, full, Shard(1, 2), pushing=True)
-        client.push(contract.model, "req", 3, rank1, shard=(1, 2))
-        assert_same_bits(client.pull(contract.model, "req").state, full)
+        decoder = Decoder(client, contract, "req", 0, 1) if pulled_meanwhile else None
+        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(1, 2), pushing=True), shard=(1, 2))
+        try:
+            proxy.cut_after(part_bytes // 2)  # rank 0's connection dies halfway through its part
+            with HandoffClient(proxy.address, chunk_bytes=64 << 10) as through_proxy:
+                result = through_proxy.push(contract.model, "req", 3, rank0, shard=(0, 2), resumable=True)
+            assert proxy.connections == 2 and not result.duplicate
+            assert proxy.carried[1] < part_bytes * 0.75  # the retry sent only what the broker did not hold
+        finally:
+            proxy.close()
+        if decoder is not None:  # the decoder never noticed: its stream went on through the break and the resume
+            assert decoder.done.wait(20)
+            assert_same_bits(decoder.result.state, full)
+        else:
+            assert_same_bits(client.pull(contract.model, "req").state, full)
     assert_holds_nothing(tp_broker)
 
 
