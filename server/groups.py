@@ -137,10 +137,20 @@ class TensorParallelGroups:
     def _adopt(self, entry: _Entry) -> Group:
         """Under the lock: a whole hand-off becomes a group of one pushing rank, for a sharded pull to cut."""
         group = Group(entry.key, entry.contract, entry.position, 1, entry.created, pushed={0: entry},
-                      push_digests={0: entry.digest})  # fmt: skip
+                      push_digests={0: entry.digest} if entry.committed else {})  # fmt: skip
         entry.group = group
         self._groups[entry.key] = group
         return group
+
+    def _adopt_as_pushed(self, entry: _Entry, size: int) -> Group | None:
+        """Under the lock (released while copying): a whole push still under way becomes a group of one pushing rank
+        cut for `size` pulling ranks as it arrives; None, and nothing changed, when the cut cannot begin now."""
+        group = self._adopt(entry)
+        if self._cut_as_pushed(group, size):
+            return group
+        del self._groups[entry.key]
+        entry.group = None
+        return None
 
     def _whole_at_last(self, group: Group) -> list[str]:
         """Under the lock, as a rank commits: a live group's pulling ranks may end their streams once all have; a

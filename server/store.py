@@ -515,6 +515,8 @@ class Store(TensorParallelGroups):
                     if entry.claimed:
                         raise ShardMismatch(model, handoff_id, "pulled", 1, shard.size)
                     group = self._adopt(entry)
+                elif group is None and not shard.whole and entry is not None and not entry.claimed:
+                    group = self._adopt_as_pushed(entry, shard.size)  # a whole push under way, cut as it arrives
                 short_of_room = False
                 if group is not None:
                     if group.pull_size and group.pull_size != shard.size:
@@ -534,7 +536,7 @@ class Store(TensorParallelGroups):
                     else:
                         entry = None  # the push, or the cut, is under way
                 elif not shard.whole:
-                    entry = None  # a whole push under way: a shard is cut from it once it commits
+                    entry = None  # a whole push under way, pulled whole meanwhile or short of room: cut at its commit
                 if self._draining and not held_here:
                     raise Draining()  # not here, and never will be: ask another broker
                 if entry is not None and entry.claimed and supersedes and entry.generation == supersedes:

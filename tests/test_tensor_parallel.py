@@ -598,6 +598,7 @@ def finished_tensors(contract: Contract, full: dict, rank: int, tp: int) -> set[
 
 
 CUT_AS_PUSHED = [
+    ("llama-3-8b", 1, 2),  # a whole push, pulled by two decode ranks
     ("llama-3-8b", 4, 2),  # each decode rank's heads come from two prefill ranks
     ("llama-3-8b", 2, 4),  # each from part of one
     ("qwen3-next", 2, 2),  # conv rings only rank 0 pushes, which rank 1 pulls too
@@ -642,32 +643,37 @@ def test_where_ranks_pull_other_heads_than_they_push_each_tensor_is_cut_as_soon_
 
 
 def being_cut(
-    client: HandoffClient, contract: Contract, full: dict, go: threading.Event
+    client: HandoffClient, contract: Contract, full: dict, go: threading.Event, push_tp: int = 4
 ) -> tuple[list, threading.Thread]:
-    """A TP 4 -> 2 hand-off under way: ranks 0-2 pushed, rank 3 stalled half-way (until `go`), and two decode
-    ranks already holding the tensors cut so far. Its decoders and rank 3's stream."""
+    """A TP `push_tp` -> 2 hand-off under way: every prefill rank but the last pushed, the last stalled half-way
+    (until `go`), and two decode ranks already holding the tensors cut so far. Its decoders and the last rank's
+    stream."""
     decoders = [Decoder(client, contract, "req", rank, 2) for rank in range(2)]
-    for rank in range(3):
-        push_rank(client, contract, "req", full, rank, 4)
-    stalled = stalled_rank_push(client.target, contract, full, 3, 4, go)
+    for rank in range(push_tp - 1):
+        push_rank(client, contract, "req", full, rank, push_tp)
+    stalled = stalled_rank_push(client.target, contract, full, push_tp - 1, push_tp, go)
     wait_until(lambda: all(d.names for d in decoders))
     return decoders, stalled
 
 
-def test_a_rank_pushed_again_while_its_part_is_being_cut_starts_the_hand_off_over(tp_broker):
+@pytest.mark.parametrize("push_tp", [4, 1])  # a rank of a sharded push; a whole push
+def test_a_rank_pushed_again_while_its_part_is_being_cut_starts_the_hand_off_over(tp_broker, push_tp):
     contract = MODELS["llama-3-8b"]
     full = seeded_tensors(contract, seed=25)
     go = threading.Event()
+    last = push_tp - 1
     with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
-        decoders, stalled = being_cut(client, contract, full, go)
-        push_rank(client, contract, "req", full, 3, 4)  # rank 3 again, whole: its first stream's frames are cut
-        for d in decoders:
+        decoders, stalled = being_cut(client, contract, full, go, push_tp)
+        with pytest.raises(ShardMismatch):  # the decode TP size is fixed by the first pull, cut or not yet
+            client.pull(contract.model, "req", timeout=2)
+        push_rank(client, contract, "req", full, last, push_tp)  # the last rank again, whole: its first stream's
+        for d in decoders:  # frames are being cut
             assert d.done.wait(20)
         assert all(isinstance(d.result, PushAborted) for d in decoders), [d.result for d in decoders]
         go.set()
-        stalled.join(20)  # the first stream of rank 3 is told it was replaced
-        for rank in range(3):  # every other rank pushes again, as PushAborted told the engine
-            push_rank(client, contract, "req", full, rank, 4)
+        stalled.join(20)  # the first stream of the last rank is told it was replaced
+        for rank in range(last):  # every other rank pushes again, as PushAborted told the engine
+            push_rank(client, contract, "req", full, rank, push_tp)
         pulled = pull_all_ranks(client, contract, "req", 2)
     assert_same_bits(join_shards(contract, pulled, 2).state, full)
     assert_holds_nothing(tp_broker)
