@@ -180,11 +180,11 @@ class TensorParallelGroups:
             return False
         self._resident += extra
         group.reserved += extra
-        for entry in group.pushed.values():  # from now on a part's chunks are kept by tensor, for the cut
-            entry.by_tensor = [[] for _ in entry.contract.carried]
+        for entry in group.pushed.values():  # from now on a part's chunks are kept by tensor only, for the cut to
+            entry.by_tensor = [[] for _ in entry.contract.carried]  # free each tensor's as it goes
             for chunk in entry.arrived:
                 entry.by_tensor[chunk.index].append(chunk)
-            entry.arrived = []
+            entry.arrived, entry.ordered = [], []
         group.plans = _plans(group, size)
         for rank, view in _pushed(group).items():
             for index, carried in enumerate(view[0].carried):

@@ -91,7 +91,10 @@ def test_a_tuned_decoder_reuses_the_pages_of_received_chunks_instead_of_faulting
     assert broker.store.stats().resident_bytes == 0
 
 
-def test_a_reshard_frees_each_pushed_tensor_as_it_goes_so_it_never_holds_two_copies(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pulled_meanwhile", [False, True])  # True: pulls wait, the last rank pushes, cut as pushed
+def test_a_reshard_frees_each_pushed_tensor_as_it_goes_so_it_never_holds_two_copies(
+    tmp_path: Path, pulled_meanwhile: bool
+) -> None:
     carried = [{"name": f"layers.{i // 2}.{'kv'[i % 2]}", "layer": i // 2, "rows": 4096, "cols": 1024,
                 "dtype": "bfloat16", "heads": 8, "head_dim": 128} for i in range(8)]  # fmt: skip
     (tmp_path / "heads.json").write_text(
@@ -102,19 +105,30 @@ def test_a_reshard_frees_each_pushed_tensor_as_it_goes_so_it_never_holds_two_cop
         with HandoffClient(address, timeout=30) as client:
             contract = client.get_contract("heads")  # 64 MiB, every tensor split by 8 heads
             full = seeded_tensors(contract)
+
+            def push(rank: int) -> None:  # prefill at TP 4 ...
+                client.push("heads", "req", 1, shard_arrays(contract, full, Shard(rank, 4), pushing=True),
+                            shard=(rank, 4))  # fmt: skip
+
             time.sleep(0.5)
             _, base = proc_status(broker.pid)
-            with futures.ThreadPoolExecutor(4) as pool:  # prefill at TP 4 ...
-                list(pool.map(lambda r: client.push("heads", "req", 1, shard_arrays(contract, full, Shard(r, 4),
-                              pushing=True), shard=(r, 4)), range(4)))  # fmt: skip
-            with futures.ThreadPoolExecutor(2) as pool:  # ... decode at TP 2: every head moves, the broker copies
-                pulled = list(pool.map(lambda r: client.pull("heads", "req", shard=(r, 2)), range(2)))
+            with futures.ThreadPoolExecutor(4) as pool:  # ... decode at TP 2: every head moves, the broker copies
+                if pulled_meanwhile:  # three ranks have committed when the decoders come, the last one after them
+                    list(pool.map(push, range(3)))
+                    pulls = [pool.submit(client.pull, "heads", "req", shard=(r, 2)) for r in range(2)]
+                    time.sleep(0.3)
+                    push(3)
+                else:
+                    list(pool.map(push, range(4)))
+                    pulls = [pool.submit(client.pull, "heads", "req", shard=(r, 2)) for r in range(2)]
+                pulled = [pull.result() for pull in pulls]
         assert_same_bits(join_shards(contract, pulled, 2).state, full)
         peak = int(next(line.split()[1] for line in Path(f"/proc/{broker.pid}/status").read_text().splitlines()
                         if line.startswith("VmHWM:"))) * 1024  # fmt: skip
         # Holding the pushed 64 MiB and building the pulling ranks' 64 MiB: a cut that kept every pushed frame until
         # the end peaked at base + 2.15x the hand-off here; freeing each tensor's frames as it goes, at 1.35x (the rest
         # is the streams' transport buffers).
+        print(f"peak - base = {(peak - base) / contract.nbytes:.2f}x the hand-off")
         assert peak - base < 1.7 * contract.nbytes, (base >> 20, peak >> 20)
     finally:
         broker.terminate()
