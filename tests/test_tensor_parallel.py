@@ -666,8 +666,9 @@ def test_a_rank_pushed_again_while_its_part_is_being_cut_starts_the_hand_off_ove
         decoders, stalled = being_cut(client, contract, full, go, push_tp)
         with pytest.raises(ShardMismatch):  # the decode TP size is fixed by the first pull, cut or not yet
             client.pull(contract.model, "req", timeout=2)
-        push_rank(client, contract, "req", full, last, push_tp)  # the last rank again, whole: its first stream's
-        for d in decoders:  # frames are being cut
+        # The last rank pushes again, whole, while the frames of its first stream are being cut.
+        push_rank(client, contract, "req", full, last, push_tp)
+        for d in decoders:
             assert d.done.wait(20)
         assert all(isinstance(d.result, PushAborted) for d in decoders), [d.result for d in decoders]
         go.set()
