@@ -196,6 +196,7 @@ def test_a_rank_still_pushing_when_another_fails_hears_that_the_hand_off_was_aba
     with futures.ThreadPoolExecutor(1) as pool:
         pushing = pool.submit(raises_handoff_error, raw_push, tp_broker.address, slow_rank0())
         started.wait(10)
+        wait_until(lambda: tp_broker.store.stats().resident_bytes > 0)  # the broker has begun rank 0's push
         short = [header_frame(contract, "req", position=3, shard=(1, 2)), frames[0]]  # rank 1 stops after a chunk
         assert isinstance(raises_handoff_error(raw_push, tp_broker.address, short), MissingTensor)
         fail_now.set()
