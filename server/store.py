@@ -522,10 +522,9 @@ class Store(TensorParallelGroups):
                     if group.pull_size and group.pull_size != shard.size:
                         raise ShardMismatch(model, handoff_id, "pulled", group.pull_size, shard.size)
                     if group.pull_size or self._stream_through(group, shard.size):
-                        entry = group.pulled.get(shard.rank)
-                        if entry is None and not group.live:
+                        if shard.rank in group.confirmed:  # (its part waits in the group for the other ranks)
                             raise HandoffGone(model, handoff_id, f"was already delivered to {shard} and confirmed")
-                        # live, and its pushing rank has not begun: wait for it
+                        entry = group.pulled.get(shard.rank)  # None: streamed through, its pushing rank not begun
                     elif group.complete and not group.cutting:
                         if self._cut(group, shard.size):
                             continue

@@ -218,6 +218,8 @@ def test_each_shard_is_claimed_once_and_the_hand_off_is_freed_when_every_rank_ha
             client.pull(contract.model, "req", shard=(0, 2), timeout=2)
         one = client.pull(contract.model, "req", shard=(1, 2))
         assert tp_broker.store.stats().resident_bytes > 0  # rank 0 has not confirmed: nothing is freed yet
+        with pytest.raises(HandoffGone, match=r"already delivered to rank 1 of 2 and confirmed"):
+            client.pull(contract.model, "req", shard=(1, 2), timeout=2)  # not "claimed by another decode worker"
         list(arriving)
         zero = stream.handoff
         assert_same_bits(join_shards(contract, [zero, one], 2).state, full)
