@@ -116,7 +116,7 @@ def test_a_reshard_frees_each_pushed_tensor_as_it_goes_so_it_never_holds_two_cop
                 if pulled_meanwhile:  # three ranks have committed when the decoders come, the last one after them
                     list(pool.map(push, range(3)))
                     pulls = [pool.submit(client.pull, "heads", "req", shard=(r, 2)) for r in range(2)]
-                    time.sleep(0.3)
+                    time.sleep(0.3)  # the decoders wait in the broker when the last rank begins
                     push(3)
                 else:
                     list(pool.map(push, range(4)))
