@@ -25,7 +25,7 @@ from handoff_client._errors import HandoffExists, ShardMismatch
 from handoff_client._shards import WHOLE, Shard, ShardContract
 
 from . import reshard
-from .pushes import StoredChunk
+from .pushes import StoredChunk, by_tensor
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -171,8 +171,6 @@ class TensorParallelGroups:
         it has all of it, so decode ranks start on the first layers while the prefill ranks still push the last.
         Each stream's end still waits for the last pushing rank's commit. False, changing nothing, while a pushing
         rank has not begun (its view decides where heads come from) or when the copies would not fit now."""
-        from .store import _Entry  # noqa: PLC0415 - store.py imports this module
-
         if group.pull_size or group.cutting or group.complete or len(group.pushed) != group.push_size:
             return False
         extra = self._cut_bytes(group, size)
@@ -181,9 +179,7 @@ class TensorParallelGroups:
         self._resident += extra
         group.reserved += extra
         for entry in group.pushed.values():  # from now on a part's chunks are kept by tensor only, for the cut to
-            entry.by_tensor = [[] for _ in entry.contract.carried]  # free each tensor's as it goes
-            for chunk in entry.arrived:
-                entry.by_tensor[chunk.index].append(chunk)
+            entry.by_tensor = by_tensor(entry.arrived, len(entry.contract.carried))  # free each tensor's as it goes
             entry.arrived, entry.ordered = [], []
         group.plans = _plans(group, size)
         for rank, view in _pushed(group).items():
@@ -191,11 +187,7 @@ class TensorParallelGroups:
                 group.holders.setdefault(carried.name, []).append((group.pushed[rank], index))
         ttl = min(entry.ttl for entry in group.pushed.values())
         for rank, plan in enumerate(group.plans):
-            part = _Entry(part_key(group.key, "pull", Shard(rank, size)), plan.view, group.position, ttl, None,
-                          threading.Condition(self._lock))  # fmt: skip
-            part.created, part.group, part.rank, part.cut_part = group.created, group, rank, True
-            self._entries[part.key] = part
-            group.pulled[rank] = part
+            self._new_part(group, Shard(rank, size), plan.view, ttl)
         group.pull_size, group.feeding = size, True
         self.events.resharded(group.key[0], extra)
         logger.info("hand-off %s/%s is cut for %d pulling ranks as it is pushed", *group.key, size)
@@ -261,17 +253,34 @@ class TensorParallelGroups:
             part.digest = reshard.digest_of(part.ordered)
             part.committed, part.committed_at, part.expires_at = True, committed_at, now + part.ttl
             part.changed.notify_all()
+        self._hand_over_pushed(group)
+        group.feeding, group.holders, group.plans = False, {}, []
+        self._changed.notify_all()
+
+    def _new_part(self, group: Group, shard: Shard, view: ShardContract, ttl: float) -> _Entry:
+        """Under the lock: a pulling rank's part of the group, filled by the cut, in the store under its own key."""
+        from .store import _Entry  # noqa: PLC0415 - store.py imports this module
+
+        part = _Entry(part_key(group.key, "pull", shard), view, group.position, ttl, None,
+                      threading.Condition(self._lock))  # fmt: skip
+        part.created, part.group, part.rank, part.cut_part = group.created, group, shard.rank, True
+        self._entries[part.key] = part
+        group.pulled[shard.rank] = part
+        return part
+
+    def _hand_over_pushed(self, group: Group) -> None:
+        """Under the lock, once the cut is whole: the pushed parts go, and their reservations pass to the group,
+        whose pulling ranks' parts share their frames."""
         for entry in list(group.pushed.values()):
-            group.reserved += entry.reserved  # the pulling ranks' parts share these frames
+            group.reserved += entry.reserved
             self._resident += entry.reserved
             self._free(entry, "cut")
-        group.pushed, group.feeding, group.holders, group.plans = {}, False, {}, []
-        self._changed.notify_all()
+        group.pushed = {}
 
     def _cut(self, group: Group, size: int) -> bool:
         """Under the lock (released while copying): cut the group's pushed parts into `size` pulling ranks' parts,
         and free the pushed parts. False, cutting nothing, when the copies would not fit in `max_bytes` now."""
-        from .store import _Entry, _run_later  # noqa: PLC0415 - store.py imports this module
+        from .store import _run_later  # noqa: PLC0415 - store.py imports this module
 
         plans = _plans(group, size)
         extra = sum(p.new_bytes for p in plans)
@@ -299,20 +308,12 @@ class TensorParallelGroups:
         ttl = min(entry.ttl for entry in group.pushed.values())
         committed_at = max(entry.committed_at for entry in group.pushed.values())  # each rank's wait counts from it
         for rank, (plan, (chunks, digest)) in enumerate(zip(plans, built)):
-            part = _Entry(part_key(group.key, "pull", Shard(rank, size)), plan.view, group.position, ttl, None,
-                          threading.Condition(self._lock))  # fmt: skip
+            part = self._new_part(group, Shard(rank, size), plan.view, ttl)
             part.ordered = chunks
             part.digest, part.committed, part.committed_at = digest, True, committed_at
-            part.expires_at, part.created = now + ttl, group.created
-            part.group, part.rank = group, rank
-            self._entries[part.key] = part
-            group.pulled[rank] = part
+            part.expires_at = now + ttl
         group.pull_size = size
-        for entry in list(group.pushed.values()):
-            group.reserved += entry.reserved  # the pulling ranks' parts share these frames
-            self._resident += entry.reserved
-            self._free(entry, "cut")
-        group.pushed = {}
+        self._hand_over_pushed(group)
         self._changed.notify_all()
         self.events.resharded(group.key[0], extra)
         logger.info("hand-off %s/%s cut for %d pulling ranks (%d bytes copied)", *group.key, size, extra)

@@ -32,6 +32,14 @@ class StoredChunk:
     data: memoryview
 
 
+def by_tensor(chunks: list[StoredChunk], tensors: int) -> list[list[StoredChunk]]:
+    """The chunks grouped by their tensor's index, each group in the order given."""
+    grouped: list[list[StoredChunk]] = [[] for _ in range(tensors)]
+    for chunk in chunks:
+        grouped[chunk.index].append(chunk)
+    return grouped
+
+
 @dataclass(frozen=True)
 class PushOutcome:
     bytes: int

@@ -57,7 +57,7 @@ from handoff_client._errors import (
 from handoff_client._shards import WHOLE, Shard, ShardContract, view
 
 from .groups import Group, TensorParallelGroups, part_key
-from .pushes import PushSession, StoredChunk, _NewPush, _RepeatPush
+from .pushes import PushSession, StoredChunk, _NewPush, _RepeatPush, by_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -440,9 +440,7 @@ class Store(TensorParallelGroups):
             group = entry.group
             if group is None or not group.feeding:  # (a part being cut as it arrives keeps its chunks by tensor)
                 entry.ordered = sorted(entry.arrived, key=lambda c: (c.index, c.offset))
-                entry.by_tensor = [[] for _ in entry.contract.carried]
-                for chunk in entry.ordered:
-                    entry.by_tensor[chunk.index].append(chunk)
+                entry.by_tensor = by_tensor(entry.ordered, len(entry.contract.carried))
                 entry.starts = [[c.offset for c in run] for run in entry.by_tensor]
             entry.digest = digest
             entry.committed = True
