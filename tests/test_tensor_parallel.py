@@ -509,6 +509,20 @@ def stalled_rank_push(target: str, contract: Contract, full: dict, rank: int, tp
     return thread
 
 
+def being_cut(
+    client: HandoffClient, contract: Contract, full: dict, go: threading.Event, push_tp: int = 4, corrupt: bool = False
+) -> tuple[list, threading.Thread]:
+    """A TP `push_tp` -> 2 hand-off under way: every prefill rank but the last pushed, the last stalled half-way
+    (until `go`; the rest corrupted if asked), and two decode ranks already holding what has streamed through or been
+    cut so far. Its decoders and the last rank's stream."""
+    decoders = [Decoder(client, contract, "req", rank, 2) for rank in range(2)]
+    for rank in range(push_tp - 1):
+        push_rank(client, contract, "req", full, rank, push_tp)
+    stalled = stalled_rank_push(client.target, contract, full, push_tp - 1, push_tp, go, corrupt=corrupt)
+    wait_until(lambda: all(d.names for d in decoders))
+    return decoders, stalled
+
+
 def test_at_equal_tp_sizes_each_decode_rank_streams_its_part_while_the_push_is_under_way(tp_broker):
     contract = MODELS["llama-3-8b"]  # 8 KV heads, every tensor split: at TP 2 each rank pulls what it pushes
     full = seeded_tensors(contract, seed=21)
@@ -572,13 +586,8 @@ def test_a_rank_failing_while_decode_ranks_receive_aborts_every_decode_rank(tp_b
     contract = MODELS["llama-3-8b"]
     full = seeded_tensors(contract, seed=22)
     go = threading.Event()
-    last = push_tp - 1
     with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
-        decoders = [Decoder(client, contract, "req", rank, 2) for rank in range(2)]
-        for rank in range(last):
-            push_rank(client, contract, "req", full, rank, push_tp)
-        pusher = stalled_rank_push(tp_broker.address, contract, full, last, push_tp, go, corrupt=True)
-        wait_until(lambda: all(d.names for d in decoders))
+        decoders, pusher = being_cut(client, contract, full, go, push_tp, corrupt=True)
         go.set()
         pusher.join(20)
         for d in decoders:
@@ -643,20 +652,6 @@ def test_where_ranks_pull_other_heads_than_they_push_each_tensor_is_cut_as_soon_
     assert_holds_nothing(tp_broker)
     moved = tp_broker.registry.get_sample_value("handoff_resharded_bytes_total", {"model": contract.model})
     assert (moved > 0) == heads_move(contract, push_tp, pull_tp)
-
-
-def being_cut(
-    client: HandoffClient, contract: Contract, full: dict, go: threading.Event, push_tp: int = 4
-) -> tuple[list, threading.Thread]:
-    """A TP `push_tp` -> 2 hand-off under way: every prefill rank but the last pushed, the last stalled half-way
-    (until `go`), and two decode ranks already holding the tensors cut so far. Its decoders and the last rank's
-    stream."""
-    decoders = [Decoder(client, contract, "req", rank, 2) for rank in range(2)]
-    for rank in range(push_tp - 1):
-        push_rank(client, contract, "req", full, rank, push_tp)
-    stalled = stalled_rank_push(client.target, contract, full, push_tp - 1, push_tp, go)
-    wait_until(lambda: all(d.names for d in decoders))
-    return decoders, stalled
 
 
 @pytest.mark.parametrize("push_tp", [4, 1])  # a rank of a sharded push; a whole push
