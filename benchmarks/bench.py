@@ -781,7 +781,7 @@ class Bench:
         """The same hand-off pushed and pulled whole, at equal TP sizes, and resharded 4 -> 2 (the broker copies);
         every rank a process of its own, all pushing ranks starting together, timed from the first push's start to
         the last pull's end; and when the first decode rank had its first tensor, as a fraction of the push's
-        duration (equal TP sizes stream through; a reshard waits for the whole push)."""
+        duration (equal TP sizes stream through; a reshard is cut as the push arrives)."""
         rows, firsts = {}, {}
         for push_tp, pull_tp in ((1, 1), (2, 2), (4, 2)):
             times, first = [], []
