@@ -1,7 +1,8 @@
 """Side by side, on the same payloads, in one run: how fast a hand-off crosses handoff-broker, against what a user
 would pick instead.
 
-    python benchmarks/bench.py                 # 1, 16, 256 MiB and a Llama-3-8B hand-off (4k context, bf16)
+    python benchmarks/bench.py                 # 1, 16, 256 MiB, a Llama-3-8B hand-off (4k context, bf16), and
+                                               # Llama-3-8B at 32k context after prompts of 512, 2k and 8k tokens
     python benchmarks/bench.py --quick         # small sizes, fewer runs (the test suite's smoke run)
     python benchmarks/bench.py --json out.json
 
@@ -19,6 +20,8 @@ verified at the consumer (CRC32C against the producer's). Paths:
     grpc floor    (latency only) handoff's three calls - a 2-message client stream, a 3-message server stream, a
                   unary confirm - carrying the same bytes to a server that does nothing: what grpcio itself costs
     grpc 1 call   (latency only) one empty unary call to that server: what grpcio costs per call on this machine
+    padded        (prompt rows) the same hand-off under a contract without `rows_are_positions`: every cache moved
+                  at its full context, as the project did before hand-offs carried only their filled rows
 Every consumer allocates and touches its destination before the clock starts, as a decoder's preallocated cache is
 (handoff pulls `into=` it). Every process runs with `handoff_client.tune_allocator()`, as the broker does: received
 gRPC messages then reuse mapped pages (it speeds the naive gRPC relay as much as handoff; TCP and Redis allocate
@@ -115,24 +118,32 @@ def manifest(model: str, nbytes: int) -> dict:
     return {"model": model, "ctx": 1 << 20, "hidden": 4096, "carried": carried}
 
 
-LLAMA3_8B_4K = {
-    "model": "llama-3-8b-4k",
-    "ctx": 4096,
-    "hidden": 4096,
-    "carried": [
-        {
-            "name": f"layers.{i}.self_attn.{kind}",
-            "layer": i,
-            "rows": 4096,
-            "cols": 8 * 128,
-            "dtype": "bfloat16",
-            "heads": 8,
-            "head_dim": 128,
-        }
-        for i in range(32)
-        for kind in ("k_cache", "v_cache")
-    ],
-}
+def llama3_8b(model: str, ctx: int, layers: int = 32, positional: bool = False) -> dict:
+    """Llama-3-8B's carried state over `ctx` positions (bf16, 8 KV heads of 128 a layer); `positional`: the caches
+    marked `rows_are_positions` (a hand-off carries the rows its prompt filled), as contract-from-config marks them."""
+    marker = {"rows_are_positions": True} if positional else {}
+    return {
+        "model": model,
+        "ctx": ctx,
+        "hidden": 4096,
+        "carried": [
+            {
+                "name": f"layers.{i}.self_attn.{kind}",
+                "layer": i,
+                "rows": ctx,
+                "cols": 8 * 128,
+                "dtype": "bfloat16",
+                "heads": 8,
+                "head_dim": 128,
+                **marker,
+            }
+            for i in range(layers)
+            for kind in ("k_cache", "v_cache")
+        ],
+    }
+
+
+LLAMA3_8B_4K = llama3_8b("llama-3-8b-4k", 4096)
 
 
 # -- process roles (run as `bench.py role ...`; each prints one JSON line) -------------------------------------------
@@ -417,16 +428,21 @@ def role_handoff_producer(target: str, model: str, key: str) -> None:
         print(json.dumps({"t0": t0, "t_end": time.monotonic()}))
 
 
+def _caches(contract) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The decoder's whole caches as one touched buffer, each tensor a view of it at its declared shape."""
+    out = destination(contract.nbytes)
+    into, at = {}, 0
+    for c in contract.carried:
+        into[c.name] = out[at : at + c.nbytes].view(c.numpy_dtype).reshape(c.shape)
+        at += c.nbytes
+    return out, into
+
+
 def role_handoff_consumer(target: str, model: str, key: str) -> None:
     from handoff_client import HandoffClient
 
     with HandoffClient(target) as client:
-        contract = client.get_contract(model)
-        out = destination(contract.nbytes)  # the decoder's cache, one buffer; each tensor a view of it
-        into, at = {}, 0
-        for c in contract.carried:
-            into[c.name] = out[at : at + c.nbytes].view(c.numpy_dtype).reshape(c.shape)
-            at += c.nbytes
+        out, into = _caches(client.get_contract(model))
         print("ready", flush=True)
         pulled = client.pull_tensors(model, key, timeout=120, into=into)
         first = None
@@ -434,6 +450,44 @@ def role_handoff_consumer(target: str, model: str, key: str) -> None:
             first = first or time.monotonic()
         t1 = time.monotonic()
         print(json.dumps({"t1": t1, "t_first": first, "crc": crc(out)}))
+
+
+def role_prompt_producer(target: str, model: str, key: str, position: str) -> None:
+    """A prefill after a prompt of `position` tokens: pushes its whole cache arrays; what crosses is up to the
+    contract (only the filled rows where they are marked as positions)."""
+    from handoff_client import HandoffClient
+
+    with HandoffClient(target, chunk_bytes=_chunk_bytes(), timeout=600) as client:
+        contract = client.get_contract(model)
+        tensors = _tensors(contract)
+        filled = contract.at(int(position))
+        digest = _filled_crc(filled, tensors)
+        t0 = time.monotonic()
+        result = client.push(model, key, int(position), tensors)
+        print(json.dumps({"t0": t0, "t_end": time.monotonic(), "bytes": result.bytes, "crc": digest}))
+
+
+def role_prompt_consumer(target: str, model: str, key: str) -> None:
+    """A decoder pulling into its whole preallocated caches: the first rows filled, the rest untouched."""
+    from handoff_client import HandoffClient
+
+    with HandoffClient(target, timeout=600) as client:
+        contract = client.get_contract(model)
+        _, into = _caches(contract)
+        print("ready", flush=True)
+        handoff = client.pull(model, key, timeout=600, into=into)
+        t1 = time.monotonic()
+        print(json.dumps({"t1": t1, "crc": _filled_crc(contract.at(handoff.position), handoff.state)}))
+
+
+def _filled_crc(filled, tensors: dict[str, np.ndarray]) -> int:
+    """CRC32C over each tensor's filled rows in contract order (the bytes a prefix hand-off must deliver)."""
+    from crc32c import crc32c  # (the package itself: it continues a CRC from a previous value)
+
+    value = 0
+    for c in filled.carried:
+        value = crc32c(np.ascontiguousarray(tensors[c.name][: c.rows]).reshape(-1).view(np.uint8), value)
+    return value
 
 
 def role_handoff_rank(target: str, model: str, key: str, side: str, rank: int, tp: int) -> None:
@@ -726,6 +780,55 @@ class Bench:
             "pipelined_first_layer_at": statistics.median(extra["first_layer_fraction"]),
         }
 
+    def prompts(self, label: str, model: str, padded: str, ctx: int, positions: list[int]) -> None:
+        """Time to the decoder's KV after prompts of each length: the hand-off end to end (push start to the pull
+        returning, into the decoder's whole caches), against the same hand-off padded to the full context and
+        against the TCP relay moving the same filled bytes. The padded hand-off moves the same bytes at any prompt
+        length, so it runs once per run."""
+        rows: dict[str, list] = {f"{p} tokens": [] for p in positions}
+        tcp: dict[str, list] = {f"{p} tokens": [] for p in positions}
+        filled: dict[str, int] = {}
+        padded_times: list[float] = []
+        port_file = self.workdir / f"tcp-{model}.port"
+        relay = _spawn("tcp-relay", port_file, self.runs * len(positions))
+        tcp_port = _port_from(port_file)
+
+        def through(model_name: str, key: str, position: int) -> tuple[float, int]:
+            consumer = _spawn("prompt-consumer", self.target, model_name, key)
+            _wait_ready(consumer)
+            time.sleep(0.1)  # the pull is waiting at the broker before the push starts
+            p, c = _result(_spawn("prompt-producer", self.target, model_name, key, position)), _result(consumer)
+            if p["crc"] != c["crc"]:
+                raise RuntimeError("the decoder's filled rows differ from the prefill's")
+            return c["t1"] - p["t0"], p["bytes"]
+
+        for run in range(self.runs):
+            for position in positions:
+                name = f"{position} tokens"
+                seconds, filled[name] = through(model, f"{model}-{position}-{run}", position)
+                rows[name].append(seconds)
+                consumer = _spawn("tcp-consumer", tcp_port, filled[name])
+                _wait_ready(consumer)
+                producer = _spawn("tcp-producer", tcp_port, filled[name])
+                tcp[name].append(_relay_run(producer, consumer, filled[name])["seconds"])
+            padded_times.append(through(padded, f"{padded}-{run}", positions[0])[0])
+        relay.wait(timeout=60)
+        full = statistics.median(padded_times)
+        self.results["prompts"] = {
+            "label": label,
+            "ctx": ctx,
+            "padded_seconds": full,
+            "rows": {
+                name: {
+                    "bytes": filled[name],
+                    "seconds": statistics.median(times),
+                    "x_faster_than_padded": full / statistics.median(times),
+                    "vs_tcp": statistics.median(tcp[name]) / statistics.median(times),
+                }
+                for name, times in rows.items()
+            },
+        }
+
     def handoff_once(self, model: str, key: str) -> None:
         consumer = _spawn("handoff-consumer", self.target, model, key)
         _wait_ready(consumer)
@@ -850,6 +953,17 @@ def report(results: dict) -> str:
             f"  broker CPU: {row['broker_cpu_s_per_gib']:.2f} s per GiB moved; pipelined pull had its first "
             f"tensor at {100 * row['pipelined_first_layer_at']:.1f}% of the push's duration"
         )
+    if "prompts" in results:
+        r = results["prompts"]
+        lines.append(
+            f"\n{r['label']}: prefill push to decoder's KV     MiB     ms   x faster than padded   x tcp relay"
+        )
+        for name, figures in r["rows"].items():
+            lines.append(
+                f"  {name:<12} {figures['bytes'] / MiB:>34.0f} {1000 * figures['seconds']:>6.0f}"
+                f" {figures['x_faster_than_padded']:>22.1f} {figures['vs_tcp']:>13.2f}"
+            )
+        lines.append(f"  padded to the full {r['ctx']} context (any prompt): {1000 * r['padded_seconds']:.0f} ms")
     if results["latency"]:
         lines.append("\nsmall hand-off, push then pull (64 KiB)   p50 ms    p99 ms")
         for name, figures in results["latency"].items():
@@ -914,6 +1028,11 @@ def main(argv: list[str] | None = None) -> int:
     models["bench-64kib"] = manifest("bench-64kib", 64 << 10)
     if not args.quick:
         models[LLAMA3_8B_4K["model"]] = LLAMA3_8B_4K
+    # Time to the decoder's KV by prompt length: Llama-3-8B at 32k (quick: two of its layers at 4k, a smoke run).
+    prompt_ctx, prompt_layers = (4096, 2) if args.quick else (32768, 32)
+    positions = [512, 2048] if args.quick else [512, 2048, 8192]
+    models["llama-3-8b-prompts"] = llama3_8b("llama-3-8b-prompts", prompt_ctx, prompt_layers, positional=True)
+    models["llama-3-8b-padded"] = llama3_8b("llama-3-8b-padded", prompt_ctx, prompt_layers)
     with tempfile.TemporaryDirectory() as tmp:
         bench = Bench(Path(tmp), runs)
         try:
@@ -924,6 +1043,10 @@ def main(argv: list[str] | None = None) -> int:
                 bench.throughput(label, f"bench-{label.replace(' ', '').lower()}", nbytes)
             if not args.quick:
                 bench.throughput("Llama-3-8B, 4k ctx, bf16", LLAMA3_8B_4K["model"], 512 * MiB)
+            bench.prompts(
+                f"Llama-3-8B{' (2 layers)' if args.quick else ''}, {prompt_ctx // 1024}k ctx",
+                "llama-3-8b-prompts", "llama-3-8b-padded", prompt_ctx, positions,
+            )  # fmt: skip
             bench.latency(64 << 10, 50 if args.quick else 300)
             bench.resharding(
                 "bench-256mib" if not args.quick else "bench-16mib", 256 * MiB if not args.quick else 16 * MiB

@@ -3,8 +3,9 @@
     python benchmarks/load.py --seconds 60 --pairs 32 --max-bytes 64MiB          # by hand, a longer run
     (tests/test_load.py runs a short one)
 
-The router hands each request id to a prefill worker and a decode worker at once, so pulls race pushes. Each id has a
-fate drawn at random: pushed and pulled; its prefill killed mid-push; its first decoder killed mid-pull (the next
+The router hands each request id, with a prompt length drawn at random (a hand-off carries only the cache rows its
+prompt filled), to a prefill worker and a decode worker at once, so pulls race pushes. Each id has a fate drawn at
+random: pushed and pulled; its prefill killed mid-push; its first decoder killed mid-pull (the next
 decoder must get it whole); or cancelled by the router at a random moment. At the end every id must be accounted
 for: pulled exactly once and bit-identical, or refused as cancelled, or never pushed whole; none delivered twice;
 the broker holding 0 bytes, its RSS back near where it started.
@@ -65,11 +66,12 @@ class Books:
 
 
 def content(contract: Contract, handoff_id: str, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The id's tensors: the model's random base with the id's hash over the first bytes of each tensor."""
+    """The id's tensors at `contract`'s shapes (a hand-off's filled view: `Contract.at`): the model's random base,
+    cut to the rows filled, with the id's hash over the first bytes of each tensor."""
     stamp = np.frombuffer(hashlib.sha256(handoff_id.encode()).digest(), np.uint8)
     tensors = {}
     for c in contract.carried:
-        array = base[c.name].copy()
+        array = base[c.name][: c.rows].copy()
         flat = array.reshape(-1).view(np.uint8)
         flat[: min(32, flat.size)] = stamp[: min(32, flat.size)]
         tensors[c.name] = array
@@ -112,13 +114,14 @@ def run_load(
             n += 1
             fate = rng.choices(FATES, weights=(70, 10, 10, 10))[0]
             model = rng.choice(models)
+            position = rng.randrange(1, contracts[model].ctx)
             books.fate[handoff_id] = fate
             try:
-                to_push.put((model, handoff_id, fate), timeout=0.5)
+                to_push.put((model, handoff_id, position, fate), timeout=0.5)
             except queue.Full:
                 books.fate.pop(handoff_id)
                 continue
-            to_pull.put((model, handoff_id, fate))
+            to_pull.put((model, handoff_id, position, fate))
             if fate == "cancel":
                 threading.Timer(rng.uniform(0, 0.05), cancel, args=(model, handoff_id)).start()
 
@@ -130,17 +133,17 @@ def run_load(
         with HandoffClient(target, chunk_bytes=256 << 10) as client:
             while not (stop.is_set() and to_push.empty()):
                 try:
-                    model, handoff_id, fate = to_push.get(timeout=0.2)
+                    model, handoff_id, position, fate = to_push.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                tensors = content(contracts[model], handoff_id, bases[model])
+                tensors = content(contracts[model].at(position), handoff_id, bases[model])
                 if fate == "kill-pusher":
-                    kill_push(client, contracts[model], handoff_id, tensors)
+                    kill_push(client, contracts[model], handoff_id, position, tensors)
                     books.note("push killed")
                     cancel(model, handoff_id)  # the router sees its prefill die and aborts the request
                     continue
                 try:
-                    client.push(model, handoff_id, 1, tensors, timeout=30)
+                    client.push(model, handoff_id, position, tensors, timeout=30)
                     with books.lock:
                         books.pushed.add(handoff_id)
                     books.note("pushed")
@@ -151,7 +154,7 @@ def run_load(
         with HandoffClient(target) as client:
             while not (stop.is_set() and to_pull.empty()) or not to_push.empty():
                 try:
-                    model, handoff_id, fate = to_pull.get(timeout=0.2)
+                    model, handoff_id, position, fate = to_pull.get(timeout=0.2)
                 except queue.Empty:
                     continue
                 if fate == "kill-puller":
@@ -171,7 +174,7 @@ def run_load(
                 except HandoffError as e:
                     books.note(f"pull failed: {type(e).__name__}", handoff_id, e.message)
                     continue
-                want = content(contracts[model], handoff_id, bases[model])
+                want = content(contracts[model].at(position), handoff_id, bases[model])
                 with books.lock:
                     books.delivered[handoff_id] += 1
                     if any(handoff.state[k].tobytes() != v.tobytes() for k, v in want.items()):
@@ -203,13 +206,15 @@ def pull_after_a_dead_decoder(client: HandoffClient, model: str, handoff_id: str
             time.sleep(0.1)
 
 
-def kill_push(client: HandoffClient, contract: Contract, handoff_id: str, tensors: dict[str, np.ndarray]) -> None:
+def kill_push(
+    client: HandoffClient, contract: Contract, handoff_id: str, position: int, tensors: dict[str, np.ndarray]
+) -> None:
     """A prefill that dies mid-push: half its chunks sent, then the stream cut."""
     gate = threading.Event()
 
     def frames():
         header = pb.PushHeader(
-            model=contract.model, handoff_id=handoff_id, position=1, fingerprint=contract.fingerprint
+            model=contract.model, handoff_id=handoff_id, position=position, fingerprint=contract.fingerprint
         )
         yield pb.PushRequest(header=header).SerializeToString()
         for c in contract.carried[: max(1, len(contract.carried) // 2)]:

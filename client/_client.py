@@ -28,7 +28,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from ._contract import Carried, Contract, Handoff, TensorSpans, check_array
+from ._contract import Carried, Contract, Handoff, TensorSpans, check_array, cut_to_filled
 from ._errors import (
     AlreadyClaimed,
     BadChunk,
@@ -237,7 +237,10 @@ class HandoffClient:
     ) -> PushResult:
         """Hand the carried tensors after `position` tokens to the broker under `handoff_id`.
 
-        Extra entries in `tensors` are ignored; the carried ones must be exactly as declared. `ttl` shortens how
+        Extra entries in `tensors` are ignored; the carried ones must be exactly as declared, except that a tensor
+        whose rows are positions (`Carried.rows_are_positions`) may be given either as the rows `position` tokens
+        filled, `(min(position, rows), cols)`, or as the whole cache `(rows, cols)`: either way only the filled rows
+        are sent, and the puller gets the same hand-off. `ttl` shortens how
         long the hand-off may wait for its decoder; `wait_for_room=False` fails at once with CapacityExhausted
         when the broker is full, instead of waiting (up to `timeout`) for room. `resumable=True` asks the broker
         to keep what arrived if the stream breaks, and a retry then sends only the rest.
@@ -248,8 +251,8 @@ class HandoffClient:
         that breaks is resumed like a whole one, rank by rank.
         """
         part = as_shard(model, shard)
-        contract = view(self.get_contract(model), part, pushing=True)
-        handoff = contract.take(position, tensors)
+        contract = view(self.get_contract(model).at(position), part, pushing=True)
+        handoff = contract.take(position, cut_to_filled(contract, tensors))
 
         def header(resume: bool) -> bytes:
             message = pb.PushHeader(
@@ -330,13 +333,17 @@ class HandoffClient:
     ) -> Handoff:
         """Claim the hand-off (waiting up to `timeout` for its push), receive it whole, verify it, confirm it.
 
-        A `ticket` (from the push) is checked to name this hand-off and this contract. `shard=(rank, tp)`: this is
-        rank `rank` of a decode engine of `tp` ranks; it receives its heads of each split tensor as contiguous
-        `(rows, heads/tp × head_dim)` arrays and every tensor not split, whatever TP size pushed it.
+        The arrays are the hand-off's: a tensor whose rows are positions comes as the rows its position filled,
+        `(min(position, rows), cols)`. A `ticket` (from the push) is checked to name this hand-off and this
+        contract. `shard=(rank, tp)`: this is rank `rank` of a decode engine of `tp` ranks; it receives its heads of
+        each split tensor as contiguous `(rows, heads/tp × head_dim)` arrays and every tensor not split, whatever TP
+        size pushed it.
 
         `into` names arrays the decoder already owns (its preallocated cache buffers), one per tensor it receives,
         of the declared shape and dtype, C-contiguous and writable: the bytes land there and nothing is allocated.
-        What they hold is meaningless unless the pull returns."""
+        Of a tensor whose rows are positions only the first rows, those the position filled, are written (the
+        returned array is that view of them); the rest are left as they were. What they hold is meaningless unless
+        the pull returns."""
         if ticket is not None:
             fields = ticket_for(ticket, model, handoff_id)
             contract = self.get_contract(model)
@@ -362,16 +369,17 @@ class HandoffClient:
         Nothing yielded may be kept unless the iteration ends normally: only then has every chunk been checked
         against the digest of a push that passed every check, and the claim been confirmed (`.handoff` is then
         the whole hand-off). If it raises — PushAborted when the push failed — discard what was yielded.
-        Not retried: the caller has already seen part of it. `shard` and `into` as for `pull`.
+        Not retried: the caller has already seen part of it. `shard` and `into` as for `pull`; the arrays yielded
+        are of the filled shape, as `pull` returns them.
         """
         part = as_shard(model, shard)
-        contract = view(self.get_contract(model), part, pushing=False)
+        declared = self.get_contract(model)
         deadline = self.timeout if timeout is None else timeout
         wire_shard = shard_to_proto(part)
         request = pb.PullRequest(model=model, handoff_id=handoff_id, supersedes=supersedes, shard=wire_shard)
-        arrays = _destinations(contract, into)  # checked before the claim: a bad buffer claims nothing
+        arrays = _destinations(view(declared, part, pushing=False), into)  # checked before the claim
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)
-        return PulledTensors(self, contract, handoff_id, stream, deadline, wire_shard, arrays)
+        return PulledTensors(self, declared, part, handoff_id, stream, deadline, arrays)
 
     def _confirm_claim(
         self, model: str, handoff_id: str, claim: int, timeout: float, shard: pb.Shard | None = None
@@ -498,17 +506,17 @@ class PulledTensors:
     def __init__(
         self,
         client: HandoffClient,
-        contract: Contract,
+        declared: Contract,
+        shard: Shard,
         handoff_id: str,
         stream: Iterator,
         timeout: float,
-        shard: pb.Shard | None = None,
         arrays: list[np.ndarray] | None = None,
     ) -> None:
         self._client = client
+        self._declared = declared
         self._shard = shard
         self._arrays = arrays
-        self._contract = contract
         self._handoff_id = handoff_id
         self._stream = stream
         self._timeout = timeout
@@ -531,21 +539,28 @@ class PulledTensors:
         except BaseException:
             self._stream.cancel()  # the broker returns the claim at once, for the next pull
             raise
-        contract = self._contract
-        self._client._confirm_claim(contract.model, self._handoff_id, header.claim, self._timeout, self._shard)
+        model, shard = self._declared.model, shard_to_proto(self._shard)
+        self._client._confirm_claim(model, self._handoff_id, header.claim, self._timeout, shard)
         self._handoff = handoff
 
     def _receive(self) -> Iterator[tuple[Carried, np.ndarray]]:
-        contract, model, stream = self._contract, self._contract.model, self._stream
+        model, stream = self._declared.model, self._stream
         header = next(stream, None)
         if not isinstance(header, pb.PullHeader):
             raise MalformedRequest("the broker's pull stream did not start with a header", model)
         self.claim = header.claim
-        if header.fingerprint != contract.fingerprint:
-            raise FingerprintMismatch(model, header.fingerprint, contract.fingerprint)
-        arrays = self._arrays or [np.empty(c.shape, c.numpy_dtype) for c in contract.carried]
+        if header.fingerprint != self._declared.fingerprint:
+            raise FingerprintMismatch(model, header.fingerprint, self._declared.fingerprint)
+        contract = view(self._declared.at(header.position), self._shard, pushing=False)
+        if self._arrays is None:
+            arrays = [np.empty(c.shape, c.numpy_dtype) for c in contract.carried]
+        else:  # the caller's cache arrays: the filled rows of each, a contiguous view
+            arrays = [a[: c.rows] if c.cache_rows else a for c, a in zip(contract.carried, self._arrays)]
         flats = [a.reshape(-1).view(np.uint8) for a in arrays]
         spans = [TensorSpans(model, c) for c in contract.carried]
+        for carried, array in zip(contract.carried, arrays):
+            if carried.nbytes == 0:  # no rows filled yet (position 0): whole without a chunk
+                yield carried, array
         entries: list[tuple[int, int, int, int]] = []
         for message in stream:
             if isinstance(message, ChunkFrame):

@@ -5,6 +5,15 @@ by name, when it carries a tensor the contract does not (UnknownTensor), leaves 
 the wrong size (WrongLength), or stands at a position whose next row the cache lacks (PositionOutOfRange). The client
 applies these rules to whole arrays before it sends; the broker applies the same rules, chunk by chunk, with
 `TensorSpans`, as bytes arrive. One implementation, one set of messages.
+
+Only what the prompt filled: a tensor whose rows are cache positions (`rows_are_positions`: an attention layer's key
+or value cache, an MLA latent, a sliding-window ring) holds, after `position` tokens, only min(position, rows) rows
+that mean anything. A hand-off carries exactly those: `Contract.at(position)` is the contract as that hand-off must
+meet it, each such tensor cut to its filled rows (a `FilledContract`), and "size" in the seed's rules means that
+filled size. Row r of a position-indexed tensor holds the token at position p = r while position <= rows; a ring of
+`rows` = window rows that has wrapped holds position p at row p mod window (the cyclic layout TensorRT-LLM and
+llama.cpp use), so all its rows are filled. Tensors of fixed size (a gated-delta memory, a conv ring, a per-tensor
+quantization scale) are carried whole at every position.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -27,8 +36,9 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 """What a model name may be: a Hugging Face repo id fits (`meta-llama/Llama-3.1-8B`); no spaces or control bytes."""
 
 
-OPTIONAL_FIELDS = frozenset({"heads", "head_dim"})
-"""Fields of a carried tensor a manifest may leave out: a tensor without heads is not split across TP ranks."""
+OPTIONAL_FIELDS = frozenset({"heads", "head_dim", "rows_are_positions"})
+"""Fields of a carried tensor a manifest may leave out: a tensor without heads is not split across TP ranks; one
+without `rows_are_positions` (or with it false) is carried whole at every position."""
 
 
 class ManifestError(ValueError):
@@ -48,10 +58,28 @@ class Carried:
     dtype: str
     heads: int = 0
     head_dim: int = 0
+    rows_are_positions: bool = False
+    """Row r holds the cache entry of token position r (mod `rows`, for a sliding-window ring of `rows` rows): a
+    hand-off after `position` tokens carries only its min(position, rows) filled rows."""
+    cache_rows: int = 0
+    """In a hand-off's filled view (`filled`, `Contract.at`): the rows the contract declares, of which `rows` are
+    the filled ones. 0 in the contract itself."""
 
     @property
     def numpy_dtype(self) -> np.dtype:
         return numpy_dtype(self.dtype)
+
+    @property
+    def declared_rows(self) -> int:
+        """The rows the contract declares (a decoder's cache array has this many), whatever a hand-off fills."""
+        return self.cache_rows or self.rows
+
+    def filled(self, position: int) -> Carried:
+        """This tensor as a hand-off after `position` tokens carries it: its first min(position, rows) rows when
+        its rows are positions, else itself."""
+        if not self.rows_are_positions or position >= self.rows:
+            return self
+        return replace(self, rows=position, cache_rows=self.rows)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -66,6 +94,8 @@ class Carried:
         return self.values * self.numpy_dtype.itemsize
 
     def layout(self) -> str:
+        if self.cache_rows:
+            return f"({self.rows}, {self.cols}) {self.dtype}, the filled rows of its ({self.cache_rows}, {self.cols})"
         return f"({self.rows}, {self.cols}) {self.dtype}"
 
 
@@ -116,9 +146,20 @@ class Contract:
         return (c for c in self.carried if c.layer == layer)
 
     def check_position(self, position: int) -> None:
-        """A decode after `position` tokens writes row position + 1, so the cache must have it."""
+        """A decode after `position` tokens writes row `position` (rows counted from 0), so the cache must have it:
+        position < ctx."""
         if position >= self.ctx:
             raise PositionOutOfRange(self.model, position, self.ctx)
+
+    def at(self, position: int) -> Contract:
+        """The contract as a hand-off after `position` tokens must meet it: each tensor whose rows are positions
+        cut to the rows those tokens filled (a FilledContract, with this contract's fingerprint); the contract
+        itself when nothing is cut. PositionOutOfRange when position >= ctx."""
+        self.check_position(position)
+        carried = tuple(c.filled(position) for c in self.carried)
+        if carried == self.carried:
+            return self
+        return FilledContract(self.model, self.ctx, self.hidden, carried, declared=self, position=position)
 
     def check(self, handoff: Handoff) -> None:
         """Whether `handoff` is this contract's: every carried tensor, as declared, nothing else, a next row."""
@@ -146,7 +187,7 @@ class Contract:
         return handoff
 
     def to_json(self) -> dict:
-        """The contract as a manifest states it."""
+        """The contract as a manifest states it (the canonical form its fingerprint hashes)."""
         return {
             "model": self.model,
             "ctx": self.ctx,
@@ -168,11 +209,42 @@ class Contract:
         return _parse_manifest(data, str(path))
 
 
+@dataclass(frozen=True)
+class FilledContract(Contract):
+    """A contract as one hand-off after `position` tokens meets it (`Contract.at`): the same names, each tensor
+    whose rows are positions at its filled rows, and the declared contract's fingerprint. Pushes are checked, bytes
+    reserved and pulls shaped against it."""
+
+    declared: Contract = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
+    position: int = 0
+
+    @property
+    def fingerprint(self) -> str:  # type: ignore[override]
+        return self.declared.fingerprint
+
+    def at(self, position: int) -> Contract:
+        return self.declared.at(position)
+
+
 def _carried_json(c: Carried) -> dict:
     entry: dict = {"name": c.name, "layer": c.layer, "rows": c.rows, "cols": c.cols, "dtype": c.dtype}
     if c.heads:  # only when stated, so a contract without heads keeps the fingerprint it always had
         entry.update(heads=c.heads, head_dim=c.head_dim)
+    if c.rows_are_positions:  # likewise: a manifest without the marker keeps its fingerprint
+        entry.update(rows_are_positions=True)
     return entry
+
+
+def cut_to_filled(contract: Contract, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`tensors` with every array given at its tensor's declared rows, where the hand-off carries fewer, cut to its
+    filled rows (a view, no copy): a prefill worker may pass its whole cache arrays, and only the filled rows are
+    sent. Arrays of any other shape are left for the contract's checks."""
+    out = dict(tensors)
+    for carried in contract.carried:
+        array = out.get(carried.name)
+        if carried.cache_rows and isinstance(array, np.ndarray) and array.shape == (carried.cache_rows, carried.cols):
+            out[carried.name] = array[: carried.rows]
+    return out
 
 
 def check_array(model: str, carried: Carried, array: np.ndarray) -> None:
@@ -181,7 +253,9 @@ def check_array(model: str, carried: Carried, array: np.ndarray) -> None:
         raise WrongLayout(model, carried.name, carried.layout(), f"a {type(array).__name__}, not a numpy array")
     if array.size != carried.values:
         itemsize = carried.numpy_dtype.itemsize
-        raise WrongLength(model, carried.name, carried.values, array.size * itemsize, carried.dtype, itemsize)
+        raise WrongLength(
+            model, carried.name, carried.values, array.size * itemsize, carried.dtype, itemsize, _filled_note(carried)
+        )
     if array.shape != carried.shape or array.dtype != carried.numpy_dtype:
         raise WrongLayout(model, carried.name, carried.layout(), f"{array.shape} {array.dtype}")
 
@@ -236,11 +310,19 @@ class TensorSpans:
 
     def check_complete(self) -> None:
         """At the end of a stream: the tensor came whole (MissingTensor if not at all, WrongLength if in part)."""
+        if self.complete:
+            return  # (a position-indexed tensor at position 0 is complete with no bytes at all)
         if self.received == 0:
             raise MissingTensor(self.model, self.carried.name)
-        if not self.complete:
-            c = self.carried
-            raise WrongLength(self.model, c.name, c.values, self.received, c.dtype, c.numpy_dtype.itemsize)
+        c = self.carried
+        raise WrongLength(self.model, c.name, c.values, self.received, c.dtype, c.numpy_dtype.itemsize, _filled_note(c))
+
+
+def _filled_note(carried: Carried) -> str:
+    """What WrongLength says of a want that is a filled size: the rows the position filled, of those declared."""
+    if not carried.cache_rows:
+        return ""
+    return f"the {carried.rows} rows {carried.rows} tokens filled of its {carried.cache_rows}"
 
 
 def _parse_manifest(data: object, source: str) -> Contract:
@@ -275,7 +357,9 @@ def _parse_manifest(data: object, source: str) -> Contract:
     seen: set[str] = set()
     for i, entry in enumerate(entries):
         where = f"carried[{i}]"
-        entry = expect_keys(entry, where, {"name", "layer", "rows", "cols", "dtype", "heads", "head_dim"})
+        entry = expect_keys(
+            entry, where, {"name", "layer", "rows", "cols", "dtype", "heads", "head_dim", "rows_are_positions"}
+        )
         name = entry["name"]
         if not isinstance(name, str) or not name or len(name) > 256:
             raise fail(f"{where}.name", f"must be a non-empty string of at most 256 characters, got {name!r}")
@@ -296,5 +380,8 @@ def _parse_manifest(data: object, source: str) -> Contract:
             head_dim = expect_int(entry, "head_dim", f"{where}.head_dim", 1)
             if heads * head_dim != cols:
                 raise fail(f"{where}.heads", f"{heads} heads x head_dim {head_dim} must make its {cols} columns")
-        carried.append(Carried(name, layer, rows, cols, dtype, heads, head_dim))
+        positional = entry.get("rows_are_positions", False)
+        if not isinstance(positional, bool):
+            raise fail(f"{where}.rows_are_positions", f"must be true or false, got {positional!r}")
+        carried.append(Carried(name, layer, rows, cols, dtype, heads, head_dim, positional))
     return Contract(model, ctx, hidden, tuple(carried))

@@ -115,15 +115,19 @@ class MissingTensor(ContractViolation):
 
 
 class WrongLength(ContractViolation):
-    """A carried tensor of the wrong size: `want` values in the contract, `got_bytes` bytes in the hand-off."""
+    """A carried tensor of the wrong size: `want` values in the contract, `got_bytes` bytes in the hand-off. Where
+    the hand-off carries only the rows its position filled, `want` is that filled size and `filled` says so."""
 
     reason = "WRONG_LENGTH"
 
-    def __init__(self, model: str, tensor: str, want: int, got_bytes: int, dtype: str, itemsize: int) -> None:
+    def __init__(
+        self, model: str, tensor: str, want: int, got_bytes: int, dtype: str, itemsize: int, filled: str = ""
+    ) -> None:
         got_values, ragged = divmod(got_bytes, itemsize)
         got = f"{got_values}" if not ragged else f"{got_bytes} bytes, not a whole number of {dtype} values,"
+        note = f" ({filled})" if filled else ""
         super().__init__(
-            f"{model}: `{tensor}` is {want} values in the contract and {got} in the hand-off "
+            f"{model}: `{tensor}` is {want} values in the contract{note} and {got} in the hand-off "
             f"({want * itemsize} and {got_bytes} bytes of {dtype})",
             model=model,
             tensor=tensor,

@@ -18,7 +18,7 @@ both sides; `shard_arrays` cuts whole arrays into a rank's and `join_shards` put
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -87,8 +87,7 @@ def _local(carried: Carried, held: tuple[int, int] | None) -> Carried:
     if held is None:
         return carried
     heads = held[1] - held[0]
-    return Carried(carried.name, carried.layer, carried.rows, heads * carried.head_dim, carried.dtype, heads,
-                   carried.head_dim)  # fmt: skip
+    return replace(carried, cols=heads * carried.head_dim, heads=heads)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,14 @@ def contract_to_proto(contract: Contract) -> pb.Contract:
         hidden=contract.hidden,
         carried=[
             pb.Carried(
-                name=c.name, layer=c.layer, rows=c.rows, cols=c.cols, dtype=c.dtype, heads=c.heads, head_dim=c.head_dim
+                name=c.name,
+                layer=c.layer,
+                rows=c.rows,
+                cols=c.cols,
+                dtype=c.dtype,
+                heads=c.heads,
+                head_dim=c.head_dim,
+                rows_are_positions=c.rows_are_positions,
             )
             for c in contract.carried
         ],
@@ -48,7 +55,10 @@ def contract_to_proto(contract: Contract) -> pb.Contract:
 
 
 def contract_from_proto(message: pb.Contract) -> Contract:
-    carried = tuple(Carried(c.name, c.layer, c.rows, c.cols, c.dtype, c.heads, c.head_dim) for c in message.carried)
+    carried = tuple(
+        Carried(c.name, c.layer, c.rows, c.cols, c.dtype, c.heads, c.head_dim, c.rows_are_positions)
+        for c in message.carried
+    )
     return Contract(message.model, message.ctx, message.hidden, carried)
 
 

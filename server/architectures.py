@@ -58,14 +58,15 @@ class _Layers:
         self.carried: list[Carried] = []
 
     def cache(self, name: str, layer: int, rows: int, cols: int, heads: int = 0, head_dim: int = 0) -> None:
-        """A cache; with `heads`, its columns split by head across tensor-parallel ranks (else every rank holds it
-        whole, as an MLA latent is)."""
-        self.carried.append(Carried(name, layer, rows, cols, self.options.dtype, heads, head_dim))
+        """A cache, one row per token position (ctx rows, or a sliding window's ring): a hand-off carries the rows
+        its position filled. With `heads`, its columns split by head across tensor-parallel ranks (else every rank
+        holds it whole, as an MLA latent is). A per-row scale is positional too; a per-tensor one is not."""
+        self.carried.append(Carried(name, layer, rows, cols, self.options.dtype, heads, head_dim, True))
         kind = self.options.scale_kind
         if kind == "tensor":
             self.carried.append(Carried(f"{name}.scale", layer, 1, 1, "float32"))
         elif kind == "row":
-            self.carried.append(Carried(f"{name}.scale", layer, rows, 1, "float32"))
+            self.carried.append(Carried(f"{name}.scale", layer, rows, 1, "float32", rows_are_positions=True))
 
     def state(self, name: str, layer: int, rows: int, cols: int, dtype: str) -> None:
         self.carried.append(Carried(name, layer, rows, cols, dtype))
@@ -97,7 +98,8 @@ def _kv_heads(config: dict, model_type: str) -> int:
 
 
 def _attention(layers: _Layers, config: dict, model_type: str, windows: list[int | None]) -> None:
-    """Per layer a key then a value cache (rows: ctx, or the layer's window), kv_heads x head_dim columns."""
+    """Per layer a key then a value cache (rows: ctx, or the layer's window, a ring whose row p mod window holds
+    position p), kv_heads x head_dim columns."""
     heads, head_dim = _kv_heads(config, model_type), _head_dim(config, model_type)
     for i, window in enumerate(windows):
         rows = layers.options.ctx if window is None else min(window, layers.options.ctx)

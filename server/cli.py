@@ -12,7 +12,7 @@ import threading
 import tomllib
 from pathlib import Path
 
-from handoff_client._contract import ManifestError
+from handoff_client._contract import Contract, ManifestError
 
 logger = logging.getLogger("handoff_broker")
 
@@ -185,7 +185,7 @@ def _contract_from_config(args: argparse.Namespace) -> int:
         Path(args.output).write_text(text)
         print(
             f"{args.output}: {contract.model}, {len(contract.carried)} carried tensors, {contract.nbytes} bytes "
-            f"a hand-off at ctx {contract.ctx}",
+            f"a hand-off at the full ctx {contract.ctx}, {_short_prompt_bytes(contract)}",
             file=sys.stderr,
         )
     else:
@@ -204,14 +204,23 @@ def _check_contracts(args: argparse.Namespace) -> int:
     for model, contract in sorted(contracts.items()):
         print(
             f"{model}: ctx {contract.ctx}, hidden {contract.hidden}, {len(contract.carried)} carried tensors, "
-            f"{contract.nbytes} bytes per hand-off, fingerprint {contract.fingerprint}"
+            f"{contract.nbytes} bytes per hand-off at the full ctx, {_short_prompt_bytes(contract)}, "
+            f"fingerprint {contract.fingerprint}"
         )
         for c in contract.carried:
             split = f"  {c.heads} heads x {c.head_dim}" if c.heads else ""
+            rows = "  rows are positions" if c.rows_are_positions else ""
             print(
-                f"  layer {c.layer:>3}  {c.name:<40} {c.rows:>7} x {c.cols:<6} {c.dtype:<14} {c.nbytes:>12} bytes{split}"
+                f"  layer {c.layer:>3}  {c.name:<40} {c.rows:>7} x {c.cols:<6} {c.dtype:<14} {c.nbytes:>12} bytes"
+                f"{split}{rows}"
             )
     return 0
+
+
+def _short_prompt_bytes(contract: Contract) -> str:
+    """What a hand-off after a short prompt carries, for the reader to compare with the full context's bytes."""
+    tokens = min(1000, contract.ctx - 1)
+    return f"{contract.at(tokens).nbytes} after {tokens} tokens"
 
 
 def _health(args: argparse.Namespace) -> int:

@@ -1,7 +1,9 @@
 """`handoff-broker demo`: a broker, a prefill process and a decode process, one hand-off, verified bit for bit.
 
 The decode process starts first and waits for the hand-off (pull before push); the prefill process pushes the demo
-model's carried state; the decoder checks every tensor against the same seeded values and reports. Run as a module
+model's carried state after a prompt of `--position` tokens, far shorter than the context: its whole cache arrays go
+in, and only the rows the prompt filled (and the gated-delta state, whole) cross the wire. The decoder checks every
+tensor against the same seeded values and reports. Run as a module
 (`python -m handoff_broker.demo push|pull ...`) it is one of the two workers.
 """
 
@@ -17,6 +19,7 @@ import time
 import numpy as np
 
 from handoff_client import Contract, HandoffClient
+from handoff_client._contract import cut_to_filled
 
 from .app import BrokerConfig, build_server
 from .contracts import DEFAULT_MODEL
@@ -59,7 +62,8 @@ def pull_worker(target: str, model: str, handoff_id: str, seed: int, timeout: fl
         started = time.perf_counter()
         handoff = client.pull(model, handoff_id, timeout=timeout)
         seconds = time.perf_counter() - started
-        expected = demo_tensors(contract, seed)
+        filled = contract.at(handoff.position)
+        expected = cut_to_filled(filled, demo_tensors(contract, seed))
         tensors = [
             {
                 "name": c.name,
@@ -69,9 +73,15 @@ def pull_worker(target: str, model: str, handoff_id: str, seed: int, timeout: fl
                 "bytes": c.nbytes,
                 "identical": _fingerprint_bytes(handoff.state[c.name]) == _fingerprint_bytes(expected[c.name]),
             }
-            for c in contract.carried
+            for c in filled.carried
         ]
-        return {"role": "decode", "position": handoff.position, "seconds": seconds, "tensors": tensors}
+        return {
+            "role": "decode",
+            "position": handoff.position,
+            "seconds": seconds,
+            "tensors": tensors,
+            "full_context_bytes": contract.nbytes,
+        }
 
 
 def _worker_command(role: str, target: str, args: argparse.Namespace) -> list[str]:
@@ -100,7 +110,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"in {pushed['seconds'] * 1000:.1f} ms"
     )
     print(
-        f"decode process pulled position {pulled['position']} in {pulled['seconds'] * 1000:.1f} ms "
+        f"decode process pulled the hand-off after {pulled['position']} tokens in {pulled['seconds'] * 1000:.1f} ms "
         "(its wait for the push included)"
     )
     print(f"{'layer':>5}  {'tensor':<34} {'shape':<12} {'dtype':<9} {'bytes':>10}  bit-identical")
@@ -115,13 +125,17 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{len(pulled['tensors'])} tensors, {total} bytes, {'all bit-identical' if identical else 'MISMATCH'}; "
         f"{elapsed:.2f} s end to end; broker holds {stats.resident_bytes} bytes after the confirm"
     )
+    print(
+        f"only the rows {pulled['position']} tokens filled crossed: {total} of the {pulled['full_context_bytes']} "
+        f"bytes the whole context would hold ({pulled['full_context_bytes'] / total:.1f}x less)"
+    )
     return 0 if identical and stats.resident_bytes == 0 else 1
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--handoff-id", default="demo-request-1")
-    parser.add_argument("--position", type=int, default=17)
+    parser.add_argument("--position", type=int, default=100, help="prompt tokens prefilled (default 100)")
     parser.add_argument("--seed", type=int, default=42)
 
 

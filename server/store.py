@@ -16,7 +16,8 @@ What it guarantees:
 - One claimant at a time; each claim has a new generation, and only the current generation can confirm. A claim
   whose stream broke returns at once; one whose stream stalls, or that streamed whole but was never confirmed,
   returns after `lease` seconds.
-- Resident bytes (reserved by a push at its header, from the contract) never exceed `max_bytes`.
+- Resident bytes (reserved by a push at its header: the contract's size at the header's position, which counts
+  only the rows the position filled of each tensor whose rows are positions) never exceed `max_bytes`.
 - A READY hand-off nobody claims expires after its ttl; a push that sends nothing for `idle_timeout` is aborted.
   What is gone leaves a tombstone for `tombstone_ttl`, so late callers hear *expired*, *cancelled* or
   *confirmed* rather than *unknown*, and a push retried after its hand-off was delivered is recognised.
@@ -279,8 +280,9 @@ class Store(TensorParallelGroups):
         resume: bool = False,
         shard: Shard = WHOLE,
     ) -> PushSession:
-        """Open a push: the header's checks, then the hand-off's whole size reserved (waiting up to `wait` s for
-        room unless `no_wait`). With a `shard` of a TP size above 1, one rank's part: its view's size reserved.
+        """Open a push: the header's checks, then the hand-off's size at `position` reserved (only the rows the
+        position filled of a tensor whose rows are positions: `Contract.at`), waiting up to `wait` s for room unless
+        `no_wait`. With a `shard` of a TP size above 1, one rank's part: its view's size reserved.
 
         A push of an id already held is checked against it byte for byte instead (a blind retry); a push of an id
         still RECEIVING replaces that push (its stream is presumed dead: the retry came first).
@@ -289,8 +291,8 @@ class Store(TensorParallelGroups):
         _check_id(model, handoff_id)
         if fingerprint != whole.fingerprint:
             raise FingerprintMismatch(model, whole.fingerprint, fingerprint)
-        whole.check_position(position)
-        contract = view(whole, shard, pushing=True)
+        filled = whole.at(position)  # (PositionOutOfRange when position >= ctx)
+        contract = view(filled, shard, pushing=True)
         user_key = (model, handoff_id)
         key = user_key if shard.whole else part_key(user_key, "push", shard)
         if resume:
@@ -348,7 +350,7 @@ class Store(TensorParallelGroups):
                 entry.reserved = entry.nbytes
                 if not shard.whole:
                     if group is None:
-                        group = self._groups[user_key] = Group(user_key, whole, position, shard.size, entry.created)
+                        group = self._groups[user_key] = Group(user_key, filled, position, shard.size, entry.created)
                     group.pushed[shard.rank] = entry
                     entry.group, entry.rank = group, shard.rank
                 self._entries[key] = entry

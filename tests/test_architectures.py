@@ -141,5 +141,7 @@ def test_serve_serves_a_config_json_directly_and_moves_its_hand_off(start_broker
         served = client.get_contract("google/gemma-3-1b-it")
         assert served == contract
         tensors = {c.name: np.full(c.shape, 1.5, c.numpy_dtype) for c in served.carried}
-        client.push(served.model, "r", 7, tensors)
-        assert all(np.array_equal(v, tensors[k]) for k, v in client.pull(served.model, "r").state.items())
+        client.push(served.model, "r", 7, tensors)  # whole cache arrays: the client sends the 7 rows filled
+        pulled = client.pull(served.model, "r").state
+        assert all(v.shape == (7, served.tensor(k).cols) for k, v in pulled.items())
+        assert all(np.array_equal(v, tensors[k][:7]) for k, v in pulled.items())

@@ -34,4 +34,8 @@ def test_the_benchmark_runs_every_path_and_reports_sane_figures(tmp_path: Path):
     resharding = figures["resharding"]["paths"]
     assert set(resharding) == {"1 -> 1", "2 -> 2", "4 -> 2"} and resharding["1 -> 1"]["vs_whole"] == 1.0
     assert all(path["mib_s"] > 0 and path["first_tensor_at"] > 0 for path in resharding.values())
-    assert "x tcp relay" in result.stdout
+    prompts = figures["prompts"]["rows"]
+    assert set(prompts) == {"512 tokens", "2048 tokens"}
+    assert prompts["512 tokens"]["bytes"] == 512 * 4 * 1024 * 2  # the filled rows of 2 layers' K and V, no more
+    assert all(row["seconds"] > 0 and row["vs_tcp"] > 0 for row in prompts.values())
+    assert "x tcp relay" in result.stdout and "x faster than padded" in result.stdout

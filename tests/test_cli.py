@@ -26,7 +26,8 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_demo_moves_a_hand_off_between_two_processes_bit_for_bit():
     result = run("demo")
     assert result.returncode == 0, result.stderr
-    assert "8 tensors, 4334592 bytes, all bit-identical" in result.stdout
+    assert "8 tensors, 242688 bytes, all bit-identical" in result.stdout  # a 100-token prompt's rows, state whole
+    assert "242688 of the 4334592 bytes the whole context would hold" in result.stdout
     assert "broker holds 0 bytes after the confirm" in result.stdout
     assert result.stdout.count(" yes\n") == 8
 
@@ -128,8 +129,8 @@ def test_check_contracts_prints_each_contract_with_its_bytes_and_fingerprint(con
     assert result.returncode == 0, result.stderr
     demo = contracts["demo-hybrid"]
     assert (
-        f"demo-hybrid: ctx 4096, hidden 256, 8 carried tensors, 4334592 bytes per hand-off, fingerprint {demo.fingerprint}"
-        in result.stdout
+        f"demo-hybrid: ctx 4096, hidden 256, 8 carried tensors, 4334592 bytes per hand-off at the full ctx, 4334592 "
+        f"after 1000 tokens, fingerprint {demo.fingerprint}" in result.stdout
     )
     assert "layers.1.self_attn.k_cache" in result.stdout
 

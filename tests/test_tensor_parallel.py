@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,10 +57,14 @@ ODD_CHUNK = 3001  # chunk edges fall mid-row and mid-head, so the broker's cut h
 
 
 def model(name: str, config_file: str, layers: int | None = None, ctx: int = 4) -> Contract:
+    """The config's contract with every tensor carried whole (its caches not marked `rows_are_positions`): these
+    tests move whole tensors; tests/test_prefix.py moves the filled rows of a prefix across every TP pairing."""
     config = json.loads((CONFIGS / f"{config_file}.json").read_text())
     if layers is not None:
         config = {**config, "num_hidden_layers": layers}
-    return contract_from_config(config, ctx=ctx, model=name, state_dtype="bfloat16")
+    derived = contract_from_config(config, ctx=ctx, model=name, state_dtype="bfloat16")
+    whole = tuple(replace(c, rows_are_positions=False) for c in derived.carried)
+    return Contract(derived.model, derived.ctx, derived.hidden, whole)
 
 
 MODELS = {
@@ -368,7 +373,8 @@ def test_many_sharded_hand_offs_at_once_with_cancels_lose_and_double_nothing(tp_
     lock = threading.Lock()
 
     def push(handoff_id: str, rank: int, tp: int) -> None:
-        with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=ODD_CHUNK) as client:
+        # Chunk edges still fall mid-row, but ten times fewer chunks than ODD_CHUNK's: 45 ranks' streams share 2 cores
+        with HandoffClient(tp_broker.address, timeout=20, chunk_bytes=10 * ODD_CHUNK + 7) as client:
             mine = shard_arrays(contract, full[handoff_id], Shard(rank, tp), pushing=True)
             try:
                 client.push(contract.model, handoff_id, 3, mine, shard=(rank, tp))
@@ -389,7 +395,8 @@ def test_many_sharded_hand_offs_at_once_with_cancels_lose_and_double_nothing(tp_
         with HandoffClient(tp_broker.address, timeout=20) as client:
             client.cancel(contract.model, handoff_id)
 
-    with futures.ThreadPoolExecutor(64) as pool:
+    tasks = sum(push_tp + pull_tp + cancelled for (push_tp, pull_tp), cancelled in plan.values())
+    with futures.ThreadPoolExecutor(tasks) as pool:  # every rank its own thread: no pull queued before its push
         work = []
         for handoff_id, ((push_tp, pull_tp), cancelled) in plan.items():
             work += [pool.submit(pull, handoff_id, rank, pull_tp) for rank in range(pull_tp)]

@@ -67,7 +67,7 @@ SHARD_MISMATCH: ErrorReason
 NOT_IN_SHARD: ErrorReason
 
 class Carried(_message.Message):
-    __slots__ = ("name", "layer", "rows", "cols", "dtype", "heads", "head_dim")
+    __slots__ = ("name", "layer", "rows", "cols", "dtype", "heads", "head_dim", "rows_are_positions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class Carried(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    ROWS_ARE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     layer: int
     rows: int
@@ -82,7 +83,8 @@ class Carried(_message.Message):
     dtype: str
     heads: int
     head_dim: int
-    def __init__(self, name: _Optional[str] = ..., layer: _Optional[int] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., dtype: _Optional[str] = ..., heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    rows_are_positions: bool
+    def __init__(self, name: _Optional[str] = ..., layer: _Optional[int] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., dtype: _Optional[str] = ..., heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., rows_are_positions: _Optional[bool] = ...) -> None: ...
 
 class Shard(_message.Message):
     __slots__ = ("rank", "size")
