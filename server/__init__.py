@@ -8,7 +8,6 @@ Modules, each with one job:
     auth       bearer tokens, roles and model scopes, as a server interceptor
     metrics    every metric, on an injected registry
     memory     allocator settings, so RSS follows the bytes held
-    architectures  contracts derived from Hugging Face config.json files
     app        build_server(config) -> (broker, port): servicer, health, reflection, metrics, TLS, drain
     cli        the `handoff-broker` command
     demo       the end-to-end demo behind `handoff-broker demo`

@@ -37,7 +37,7 @@ by --config (max-bytes = "16GiB"); the command line wins over the environment, w
 
 def _config_contract(path: Path, **options: object):  # noqa: ANN202 - a Contract
     """The contract a Hugging Face config.json file describes; ManifestError naming the file when it cannot."""
-    from .architectures import contract_from_config
+    from handoff_client._architectures import contract_from_config
 
     try:
         config = json.loads(path.read_text())

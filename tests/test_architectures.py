@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_broker.architectures import ConfigError, contract_from_config
+from handoff_client._architectures import ConfigError, contract_from_config
 
 CONFIGS = Path(__file__).parent / "configs"
 MiB = 1 << 20

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
-from handoff_broker.architectures import contract_from_config
+from handoff_client._architectures import contract_from_config
 from handoff_client import (
     CapacityExhausted,
     Contract,

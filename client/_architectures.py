@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from handoff_client._contract import MODEL_NAME, Carried, Contract, ManifestError
-from handoff_client._dtypes import DTYPES
+from ._contract import MODEL_NAME, Carried, Contract, ManifestError
+from ._dtypes import DTYPES
 
 DEFAULT_CTX = 4096
 DEFAULT_DTYPE = "bfloat16"

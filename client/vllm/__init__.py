@@ -1,0 +1,16 @@
+"""handoff-broker as a vLLM KV connector (vLLM's v1 API): a prefill instance pushes each prompt's KV to the broker,
+a decode instance pulls it into its own pages — whatever block size or attention backend either uses.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "HandoffConnector",
+        "kv_connector_module_path": "handoff_client.vllm", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"target": "127.0.0.1:50051", "model": "my-model"}}'
+
+`kv_role`: kv_producer on the prefill instance, kv_consumer on the decode instance. The producer's request outputs
+carry `kv_transfer_params` {handoff_id, position, model, ticket}; the router passes them to the decode instance's
+request, whose first `position` tokens are then pulled instead of computed (examples/proxy.py). Settings:
+_settings.py. Needs the `vllm` extra: `pip install 'handoff-broker[vllm]'`.
+"""
+
+from ._connector import HandoffConnector
+
+__all__ = ["HandoffConnector"]

@@ -1,0 +1,78 @@
+"""The connector vLLM loads: one class, two halves by role (the scheduler half decides, the worker half moves the
+bytes), as vLLM's own connectors are built. Every method here only routes to its half; see _scheduler.py and
+_worker.py for what each guarantees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from ._scheduler import HandoffConnectorMetadata, SchedulerHalf
+from ._settings import ConnectorSettings, served_contract
+from ._worker import WorkerHalf
+
+
+class HandoffConnector(KVConnectorBase_V1):
+    """handoff-broker between a vLLM prefill instance (kv_producer) and a decode instance (kv_consumer)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        self.contract = served_contract(vllm_config, self.settings)
+        self.scheduler: SchedulerHalf | None = None
+        self.worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerHalf(self.settings, self.contract, transfer.engine_id,
+                                           transfer.is_kv_producer, transfer.is_kv_consumer)  # fmt: skip
+        else:
+            self.worker = WorkerHalf(self.settings, self.contract, vllm_config)
+
+    # -- scheduler side -----------------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> HandoffConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return (0,)  # the request's own blocks of its one attention group, not a hash-addressed prefix store
+
+    # -- worker side --------------------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: vLLM schedules a request only once its pull has finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        self.worker.save_kv_layer(layer_name, self._get_connector_metadata())
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.worker.get_finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Worker side: wait up to `timeout` s for the pushes under way to end (before a planned exit)."""
+        return self.worker.flush(timeout) if self.worker is not None else True
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

@@ -1,0 +1,98 @@
+"""What the connector is told (`kv_connector_extra_config`) and the contract it derives from the served model.
+
+Keys are the command line's flag names where they overlap (`handoff-broker status --target ... --tls-ca ...`):
+
+    target       the broker, or a fleet ("host1:50051,host2:50051", "dns:///brokers:50051")  default 127.0.0.1:50051
+    model        the contract's name on the broker                              default: the served model's name
+    tls-ca       PEM file of the CA to trust (TLS)
+    tls-cert     PEM file of this client's certificate (mutual TLS), with tls-key
+    tls-key      PEM file of its private key
+    token-file   a file holding the bearer token
+    timeout      seconds a push or a pull may take, end to end                 default 30
+    ttl          seconds a pushed hand-off waits for its decoder (0: the broker's --ttl)
+    corrupt-pulled-kv   test only: flip the pulled keys before writing them (proves the tokens used the pulled KV)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from handoff_client._contract import Contract
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_TIMEOUT = 30.0
+
+CACHE_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
+"""vLLM's cache dtypes the connector carries, by the torch dtype "auto" resolves to."""
+
+KNOWN_KEYS = {"target", "model", "tls-ca", "tls-cert", "tls-key", "token-file", "timeout", "ttl", "corrupt-pulled-kv"}
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """The connector's settings, read once from `kv_connector_extra_config`."""
+
+    target: str = DEFAULT_TARGET
+    model: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token_file: str | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    ttl: float = 0.0
+    corrupt_pulled_kv: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        if unknown := sorted(set(extra) - KNOWN_KEYS):
+            raise ValueError(
+                f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
+                f"the handoff connector takes {', '.join(sorted(KNOWN_KEYS))}"
+            )
+        return cls(
+            target=str(extra.get("target", DEFAULT_TARGET)),
+            model=extra.get("model"),
+            tls_ca=extra.get("tls-ca"),
+            tls_cert=extra.get("tls-cert"),
+            tls_key=extra.get("tls-key"),
+            token_file=extra.get("token-file"),
+            timeout=float(extra.get("timeout", DEFAULT_TIMEOUT)),
+            ttl=float(extra.get("ttl", 0.0)),
+            corrupt_pulled_kv=bool(extra.get("corrupt-pulled-kv", False)),
+        )
+
+    def client_options(self) -> dict[str, Any]:
+        """HandoffClient's keyword arguments for these settings."""
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        token = Path(self.token_file).read_text().strip() if self.token_file else None
+        return {
+            "timeout": self.timeout,
+            "token": token,
+            "tls_root_certificates": read(self.tls_ca),
+            "tls_certificate_chain": read(self.tls_cert),
+            "tls_private_key": read(self.tls_key),
+        }
+
+
+def served_contract(vllm_config: Any, settings: ConnectorSettings) -> Contract:
+    """The contract of the model vLLM serves, derived from its config.json exactly as `handoff-broker
+    contract-from-config` and `serve --model-config` derive it: over vLLM's max_model_len, in its cache dtype."""
+    from handoff_client._architectures import contract_from_config
+
+    model_config = vllm_config.model_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    resolved = str(model_config.dtype) if cache_dtype == "auto" else f"torch.{cache_dtype}"
+    if resolved not in CACHE_DTYPES:
+        raise ValueError(
+            f"the handoff connector carries caches of {', '.join(v for v in CACHE_DTYPES.values())}, "
+            f"not kv_cache_dtype {cache_dtype} ({resolved})"
+        )
+    name = settings.model or model_config.served_model_name
+    if isinstance(name, list):
+        name = name[0]
+    return contract_from_config(
+        model_config.hf_config.to_dict(), ctx=model_config.max_model_len, dtype=CACHE_DTYPES[resolved], model=name
+    )

@@ -1,0 +1,61 @@
+"""A vLLM instance in a process of its own, for tests/test_vllm.py: `python tests/vllm_roles.py ROLE MODEL_DIR
+SETTINGS.json` runs the prompts in the settings file through an offline LLM and prints one JSON line: each prompt's
+output tokens, cached tokens and kv_transfer_params. ROLE: plain (no connector), producer or consumer."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def main(role: str, model_dir: str, settings_file: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    settings = json.loads(open(settings_file).read())
+    kv_transfer = None
+    if role != "plain":
+        kv_transfer = {
+            "kv_connector": "HandoffConnector",
+            "kv_connector_module_path": "handoff_client.vllm",
+            "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
+            "kv_connector_extra_config": settings["extra"],
+            "kv_load_failure_policy": "recompute",
+        }
+    started = time.perf_counter()
+    llm = LLM(
+        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="uni",
+        num_gpu_blocks_override=64, block_size=settings["block_size"], max_model_len=settings.get("max_model_len", 1024),
+        dtype="bfloat16", gpu_memory_utilization=0.05, kv_transfer_config=kv_transfer, enable_prefix_caching=False,
+    )  # fmt: skip
+    ready = time.perf_counter()
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in settings["prompts"]]
+    params = []
+    for transfer in settings.get("kv_transfer_params") or [None] * len(prompts):
+        extra = {"kv_transfer_params": transfer} if transfer else None
+        tokens = 1 if role == "producer" else settings["max_tokens"]
+        params.append(SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, detokenize=False,
+                                     extra_args=extra))  # fmt: skip
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    done = time.perf_counter()
+    if role == "producer":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        assert get_kv_transfer_group().flush(60), "pushes still under way after 60 s"
+    print(json.dumps({
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "cached": [o.num_cached_tokens for o in outputs],
+        "kv_transfer_params": [o.kv_transfer_params for o in outputs],
+        "start_seconds": ready - started,
+        "generate_seconds": done - ready,
+    }))
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's slow teardown
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
