@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,8 @@ from handoff_broker import BrokerConfig, build_server  # noqa: E402
 from handoff_client import HandoffClient  # noqa: E402
 from handoff_client._architectures import contract_from_config  # noqa: E402
 
-ROLES = Path(__file__).parent / "vllm_roles.py"
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = ROOT / "tests" / "vllm_roles.py"
 MODEL = "tiny-llama"
 PROMPTS = [[(i * 7 + n) % 500 + 3 for i in range(n)] for n in (7, 77, 150, 200)]  # under a block, blocks, several
 MAX_TOKENS = 8
@@ -151,3 +154,85 @@ def test_a_decode_instance_whose_broker_serves_another_contract_is_refused_at_st
     assert done.returncode != 0
     assert "FingerprintMismatch" in done.stderr and other.fingerprint in done.stderr
     assert contract.fingerprint in done.stderr  # both named: the broker's, and the one this engine's model makes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(model_dir: Path, tmp_path: Path, port: int, block: int, bind: str, kv_transfer: dict | None):
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--skip-tokenizer-init",
+               "--enforce-eager", "--distributed-executor-backend", "uni", "--num-gpu-blocks-override", "64",
+               "--block-size", str(block), "--max-model-len", "1024", "--dtype", "bfloat16",
+               "--gpu-memory-utilization", "0.05", "--no-enable-prefix-caching"]  # fmt: skip
+    if kv_transfer:
+        command += ["--kv-transfer-config", json.dumps(kv_transfer)]
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": bind}  # fmt: skip
+    log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()[-5000:]
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"{url} did not come up in {timeout} s: {log.read_text()[-3000:]}")
+
+
+def test_a_completion_through_vllm_serve_prefill_broker_and_decode_equals_one_vllm_serve(
+    model_dir, tmp_path, vllm_broker
+):
+    """The README's three commands: a prefill and a decode `vllm serve`, and examples/proxy.py between them. The
+    connector finds its contract on the broker under the served model name; no extra config but the target."""
+    transfer = lambda role: {"kv_connector": "HandoffConnector", "kv_connector_module_path": "handoff_client.vllm",  # noqa: E731
+                             "kv_role": role, "kv_load_failure_policy": "recompute",
+                             "kv_connector_extra_config": {"target": vllm_broker.address}}  # fmt: skip
+    ports = {name: _free_port() for name in ("prefill", "decode", "plain", "proxy")}
+    started = [
+        _serve(model_dir, tmp_path, ports["prefill"], 128, "0", transfer("kv_producer")),
+        _serve(model_dir, tmp_path, ports["decode"], 32, "1", transfer("kv_consumer")),
+        _serve(model_dir, tmp_path, ports["plain"], 32, "0", None),
+    ]
+    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    proxy = subprocess.Popen([sys.executable, str(ROOT / "examples" / "proxy.py"), "--port", str(ports["proxy"]),
+                              "--prefill", url["prefill"], "--decode", url["decode"]], stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    try:
+        assert proxy.stdout.readline().startswith("proxy on")
+        for (process, log), name in zip(started, ("prefill", "decode", "plain")):
+            _wait_healthy(url[name], process, Path(log.name))
+        received = _received(vllm_broker)
+        request = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0,
+                   "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        disaggregated = _post(f"{url['proxy']}/v1/completions", request)
+        single = _post(f"{url['plain']}/v1/completions", request)
+        assert disaggregated["choices"][0]["token_ids"] == single["choices"][0]["token_ids"]
+        assert len(single["choices"][0]["token_ids"]) == MAX_TOKENS
+        assert _received(vllm_broker) - received == len(PROMPTS[2]) * BYTES_PER_TOKEN  # it went through the broker
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=10)
+        for process, log in started:
+            process.terminate()
+        for process, log in started:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            log.close()
