@@ -21,6 +21,7 @@ from ._allocator import tune_allocator
 from ._contract import Carried, Contract, Handoff, ManifestError
 from ._fleet import FleetClient
 from ._shards import Shard, ShardContract, join_shards, shard_arrays
+from ._torch import from_numpy, to_numpy
 from ._dtypes import DTYPES
 from ._errors import (
     AlreadyClaimed,
@@ -61,6 +62,8 @@ from ._errors import (
 )
 
 __all__ = [
+    "from_numpy",
+    "to_numpy",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_RETRY",
     "DEFAULT_TIMEOUT",

@@ -115,8 +115,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         contracts = load_contracts(Path(args.contracts)) if args.contracts else {}
-        for path in args.model_config or []:
-            contract = _config_contract(Path(path), ctx=args.config_ctx, dtype=args.config_dtype)
+        for value in args.model_config or []:
+            name, _, path = value.rpartition("=")  # NAME=CONFIG.json names the model (vLLM's --served-model-name)
+            contract = _config_contract(Path(path), ctx=args.config_ctx, dtype=args.config_dtype, model=name or None)
             if contract.model in contracts:
                 raise ManifestError(f"{path}: model: `{contract.model}` is already served")
             contracts[contract.model] = contract
@@ -352,8 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: 50051)")
     serve.add_argument("--contracts", metavar="DIR", help="folder of *.json manifests (default: embedded demo-hybrid)")
-    serve.add_argument("--model-config", metavar="CONFIG.json", action="append",
-                       help="serve the contract derived from a Hugging Face config.json (repeatable)")  # fmt: skip
+    serve.add_argument("--model-config", metavar="[NAME=]CONFIG.json", action="append",
+                       help="serve the contract derived from a Hugging Face config.json, under NAME (as vLLM's "
+                            "--served-model-name) or the config's own name (repeatable)")  # fmt: skip
     serve.add_argument("--config-ctx", type=int, default=4096, help="cache length for --model-config (4096)")
     serve.add_argument("--config-dtype", default="bfloat16", help="cache dtype for --model-config (bfloat16)")
     serve.add_argument("--max-bytes", type=_parse_bytes, help="bytes of hand-offs held at most (default: half of RAM)")

@@ -95,11 +95,14 @@ def test_every_serve_flag_may_come_from_the_environment_and_logs_may_be_json(tmp
 
 def test_serve_takes_a_hugging_face_config_json():
     config = Path(__file__).parent / "configs" / "qwen3-8b.json"
-    broker, address = start_serving("--model-config", str(config), "--config-ctx", "2048")
+    broker, address = start_serving(
+        "--model-config", str(config), "--model-config", f"my/qwen={config}", "--config-ctx", "2048"
+    )
     try:
         with HandoffClient(address) as client:
-            (contract,) = client.list_contracts()
+            contract, named = sorted(client.list_contracts(), key=lambda c: c.model)
             assert (contract.model, contract.ctx, len(contract.carried)) == ("Qwen/Qwen3-8B", 2048, 72)
+            assert named.model == "my/qwen" and named.carried == contract.carried  # NAME=CONFIG.json names it
     finally:
         broker.send_signal(signal.SIGTERM)
         assert broker.wait(timeout=15) == 0
