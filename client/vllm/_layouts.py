@@ -8,7 +8,8 @@ size 32 — or a CPU engine and a GPU one — meet. Each layout knows one backen
     CPU_ATTN                [blocks, kv_heads, block, 2·head_dim]: within a block and head, keys then values, in
                             whatever order the kernel's ISA keeps them (the "vec" kernels store K transposed);
                             learned once at start-up by writing index-coded tokens through vLLM's own cache writer
-                            (`cpu_attn_reshape_and_cache`) and reading where each landed: never a guess
+                            (`cpu_attn_reshape_and_cache`) and reading where each landed: never a guess. The
+                            `vec` layout so learned is moved by strided copies, any other element by element
     FLASH_ATTN              [2, blocks, block, kv_heads, head_dim]     (key and value planes first)
     FLASHINFER, TRITON_ATTN [blocks, 2, block, kv_heads, head_dim]
 
@@ -139,10 +140,51 @@ class PermutedLayout(PageLayout):
         flat[index] = blocks
 
 
-def cpu_attn_layout(geometry: Geometry, dtype: torch.dtype, isa: str) -> PermutedLayout:
-    """CPU_ATTN's pages for `isa`, learned from vLLM's own cache writer: index-coded keys and values (base-256
-    digits, exact in every float dtype) are written into one block, and each page element's logical index read
-    back. Refused if the writer leaves any element unwritten or writes one twice."""
+class CpuAttnVecLayout(PageLayout):
+    """CPU_ATTN's pages as its `vec` kernels keep them, [blocks, kv_heads, block, 2·head_dim]: within a block and
+    head, the keys transposed ([head_dim, block]) and then the values ([block, head_dim]). Strided views, so a
+    gather or scatter is a few block copies, not an element-by-element permutation."""
+
+    def _views(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.geometry
+        flat = blocks.reshape(blocks.shape[0], g.kv_heads, 2 * g.block * g.head_dim)
+        keys = flat[:, :, : g.block * g.head_dim].reshape(-1, g.kv_heads, g.head_dim, g.block).permute(0, 3, 1, 2)
+        values = flat[:, :, g.block * g.head_dim :].reshape(-1, g.kv_heads, g.block, g.head_dim).permute(0, 2, 1, 3)
+        return keys, values  # each (n, block, kv_heads, head_dim), views of `blocks`
+
+    def _blocks(self, pages: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor(ids, dtype=torch.long, device=pages.device)
+        keys, values = self._views(pages[index])
+        return keys.contiguous(), values.contiguous()
+
+    def _store(self, pages: torch.Tensor, ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        index = torch.tensor(ids, dtype=torch.long, device=pages.device)
+        blocks = torch.empty((len(ids), *pages.shape[1:]), dtype=pages.dtype, device=pages.device)
+        key_view, value_view = self._views(blocks)
+        key_view.copy_(keys)
+        value_view.copy_(values)
+        pages[index] = blocks
+
+
+def cpu_attn_layout(geometry: Geometry, dtype: torch.dtype, isa: str) -> PageLayout:
+    """CPU_ATTN's pages for `isa`, as learned by `learn_cpu_attn_pages`; where that is the `vec` kernels' layout,
+    its strided form (CpuAttnVecLayout) is used, any other is moved element by element (PermutedLayout)."""
+    where = learn_cpu_attn_pages(geometry, dtype, isa)
+    g = geometry
+    strided = CpuAttnVecLayout(geometry)
+    strided.name = f"CPU_ATTN ({isa})"
+    probe = torch.arange(where.numel(), dtype=torch.long).reshape(1, g.kv_heads, g.block, 2 * g.head_dim)
+    keys, values = strided._blocks(probe, [0])
+    if torch.equal(torch.stack((keys, values), dim=1).reshape(-1), where):
+        return strided
+    return PermutedLayout(geometry, where, f"CPU_ATTN ({isa})")
+
+
+def learn_cpu_attn_pages(geometry: Geometry, dtype: torch.dtype, isa: str) -> torch.Tensor:
+    """Where CPU_ATTN's cache writer for `isa` puts each logical element of a block (PermutedLayout's `where`):
+    index-coded keys and values (base-256 digits, exact in every float dtype) are written into one block through
+    vLLM's own `cpu_attn_reshape_and_cache`, and each page element's logical index read back. UnsupportedLayout
+    if the writer leaves any element unwritten or writes one twice."""
     from vllm import _custom_ops as ops
 
     g = geometry
@@ -169,7 +211,7 @@ def cpu_attn_layout(geometry: Geometry, dtype: torch.dtype, isa: str) -> Permute
         raise UnsupportedLayout(f"CPU_ATTN ({isa}): the cache writer's pages are not a permutation of the tokens")
     where = torch.empty(total, dtype=torch.long)
     where[found] = torch.arange(total, dtype=torch.long)
-    return PermutedLayout(geometry, where, f"CPU_ATTN ({isa})")
+    return where
 
 
 def layout_for(backend: str, geometry: Geometry, dtype: torch.dtype, isa: str | None = None) -> PageLayout:
