@@ -1,6 +1,6 @@
 """The connector's scheduler half: it only decides and builds metadata; the worker half moves the bytes.
 
-Producer (`kv_producer`, or `kv_both` for requests that ask): every request whose prompt is fully computed in a step
+Producer (`kv_producer`, `kv_both`): every request whose prompt is fully computed in a step
 gets a save entry (its blocks and prompt length) in that step's metadata; the worker gathers each layer as the
 forward pass writes it and pushes the hand-off in the background. `request_finished` hands the router
 `kv_transfer_params` = {handoff_id, position, model, ticket}; the pages are released at once (the worker has
