@@ -25,6 +25,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed: pip install '.
 from handoff_broker import BrokerConfig, build_server  # noqa: E402
 from handoff_client import HandoffClient  # noqa: E402
 from handoff_client._architectures import contract_from_config  # noqa: E402
+from proxy import Proxy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ROOT / "tests" / "vllm_roles.py"
@@ -65,20 +66,32 @@ def vllm_broker(contract):
     broker.stop(grace=0.2)
 
 
-def run_vllm(role: str, model_dir: Path, tmp_path: Path, *, block: int, target: str, prompts=PROMPTS,
-             params=None, check: bool = True, **extra) -> dict | subprocess.CompletedProcess:  # fmt: skip
-    """One vLLM instance, start to finish, in its own process; its JSON report (or, check=False, the process)."""
+def start_vllm(role: str, model_dir: Path, tmp_path: Path, *, block: int, target: str, prompts=PROMPTS,
+               params=None, **extra) -> subprocess.Popen:  # fmt: skip
+    """One vLLM instance in its own process, running the prompts (tests/vllm_roles.py)."""
     settings = {"prompts": prompts, "block_size": block, "max_tokens": MAX_TOKENS, "kv_transfer_params": params,
                 "extra": {"target": target, "model": MODEL, **extra}}  # fmt: skip
     file = tmp_path / f"{role}-{time.monotonic_ns()}.json"
     file.write_text(json.dumps(settings))
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run([sys.executable, str(ROLES), role, str(model_dir), str(file)], capture_output=True,
-                          text=True, env=env, timeout=300, check=False)  # fmt: skip
-    if not check:
-        return done
-    assert done.returncode == 0, done.stderr[-5000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, str(ROLES), role, str(model_dir), str(file)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+
+
+def finished(process: subprocess.Popen) -> dict:
+    """The instance's JSON report, once it has run to its end."""
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-5000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_vllm(role: str, model_dir: Path, tmp_path: Path, *, check: bool = True, **options) -> dict | subprocess.Popen:
+    """One vLLM instance, start to finish; its JSON report (or, check=False, the ended process and its output)."""
+    process = start_vllm(role, model_dir, tmp_path, **options)
+    if check:
+        return finished(process)
+    process.stdout_text, process.stderr_text = process.communicate(timeout=300)
+    return process
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +156,27 @@ def test_a_hand_off_that_never_comes_fails_within_the_timeout_and_is_recomputed(
     assert decoded["generate_seconds"] < 3 + 20  # no hang past the timeout (the rest is recompute and decoding)
 
 
+def test_a_broker_gone_while_the_decode_instance_waits_ends_its_load_within_the_timeout(
+    model_dir, tmp_path, vllm_broker, baseline
+):
+    """The connection to the broker dies (a proxy in front of it closes every socket) while the decode instance's
+    pulls wait for hand-offs: the pulls fail within the connector's timeout, and vLLM recomputes the prompts."""
+    proxy = Proxy(vllm_broker.port)
+    params = [{"handoff_id": f"waited-for-{i}", "position": len(p), "model": MODEL} for i, p in enumerate(PROMPTS)]
+    try:
+        decoding = start_vllm("consumer", model_dir, tmp_path, block=32, target=proxy.address, params=params,
+                              timeout=10)  # fmt: skip
+        deadline = time.monotonic() + 240
+        while not vllm_broker.registry.get_sample_value("handoff_streams_in_flight", {"kind": "pull"}):
+            assert time.monotonic() < deadline and decoding.poll() is None, "the decode instance never pulled"
+            time.sleep(0.2)
+    finally:
+        proxy.close()  # the broker is gone, as the decode instance sees it
+    decoded = finished(decoding)
+    assert decoded["tokens"] == baseline["tokens"]
+    assert decoded["generate_seconds"] < 10 + 20  # no hang past the timeout (the rest is recompute and decoding)
+
+
 def test_a_decode_instance_whose_broker_serves_another_contract_is_refused_at_start_up(model_dir, tmp_path, contract):
     other = contract_from_config(json.loads((model_dir / "config.json").read_text()), ctx=2048, model=MODEL)
     broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={MODEL: other}))
@@ -152,8 +186,8 @@ def test_a_decode_instance_whose_broker_serves_another_contract_is_refused_at_st
     finally:
         broker.stop(grace=0.2)
     assert done.returncode != 0
-    assert "FingerprintMismatch" in done.stderr and other.fingerprint in done.stderr
-    assert contract.fingerprint in done.stderr  # both named: the broker's, and the one this engine's model makes
+    assert "FingerprintMismatch" in done.stderr_text and other.fingerprint in done.stderr_text
+    assert contract.fingerprint in done.stderr_text  # both named: the broker's, and the one this engine's model makes
 
 
 def _free_port() -> int:
