@@ -29,11 +29,10 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-from vllm import _custom_ops as ops
-
 from handoff_client import HandoffClient, from_numpy, to_numpy
 from handoff_client.vllm._layouts import Geometry, layout_for
+from safetensors.torch import load_file, save_file
+from vllm import _custom_ops as ops
 
 HEADS, HEAD_DIM, CTX = 8, 128, 8192
 MiB = 1 << 20

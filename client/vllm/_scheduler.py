@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
 from handoff_client._contract import Contract
 from handoff_client._fleet import make_ticket
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ._settings import ConnectorSettings
 

@@ -24,7 +24,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
-
 from handoff_client import HandoffClient, HandoffError
 from handoff_client._contract import Contract
 from handoff_client._errors import FingerprintMismatch
@@ -154,7 +153,7 @@ class WorkerHalf:
                 arrived[carried.name] = array
                 self._write_layers(load, arrived, written)
             nbytes = sum(a.nbytes for a in arrived.values())
-        except Exception as e:  # any failure: vLLM recomputes the blocks
+        except Exception as e:  # noqa: BLE001 - any failure at all: vLLM recomputes the blocks
             why = f"{e.reason} {e.message}" if isinstance(e, HandoffError) else repr(e)
             logger.warning("hand-off %s was not loaded (%s): vLLM recomputes its blocks", load.handoff_id, why)
             with self._lock:
