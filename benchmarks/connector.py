@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench import llama3_8b  # (this folder: the same Llama-3-8B manifest bench.py measures)
 from handoff_client import HandoffClient, from_numpy, to_numpy
 from handoff_client.vllm._layouts import Geometry, layout_for
 from safetensors.torch import load_file, save_file
@@ -36,16 +37,6 @@ from vllm import _custom_ops as ops
 
 HEADS, HEAD_DIM, CTX = 8, 128, 8192
 MiB = 1 << 20
-
-
-def manifest(layers: int) -> dict:
-    carried = [
-        {"name": f"layers.{i}.self_attn.{kind}", "layer": i, "rows": CTX, "cols": HEADS * HEAD_DIM,
-         "dtype": "bfloat16", "heads": HEADS, "head_dim": HEAD_DIM, "rows_are_positions": True}
-        for i in range(layers)
-        for kind in ("k_cache", "v_cache")
-    ]  # fmt: skip
-    return {"model": "llama-3-8b-shaped", "ctx": CTX, "hidden": 4096, "carried": carried}
 
 
 def pages(tokens: int, block: int) -> tuple[torch.Tensor, list[int]]:
@@ -139,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "contracts"
         folder.mkdir()
-        (folder / "llama.json").write_text(json.dumps(manifest(layers)))
+        (folder / "llama.json").write_text(json.dumps(llama3_8b("llama-3-8b-shaped", CTX, layers, positional=True)))
         broker = subprocess.Popen(
             [sys.executable, "-m", "handoff_broker.cli", "--log-level", "WARNING", "serve", "--port", "0",
              "--metrics-port", "-1", "--contracts", str(folder)], stdout=subprocess.PIPE, text=True,

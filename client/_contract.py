@@ -69,11 +69,6 @@ class Carried:
     def numpy_dtype(self) -> np.dtype:
         return numpy_dtype(self.dtype)
 
-    @property
-    def declared_rows(self) -> int:
-        """The rows the contract declares (a decoder's cache array has this many), whatever a hand-off fills."""
-        return self.cache_rows or self.rows
-
     def filled(self, position: int) -> Carried:
         """This tensor as a hand-off after `position` tokens carries it: its first min(position, rows) rows when
         its rows are positions, else itself."""
@@ -159,7 +154,7 @@ class Contract:
         carried = tuple(c.filled(position) for c in self.carried)
         if carried == self.carried:
             return self
-        return FilledContract(self.model, self.ctx, self.hidden, carried, declared=self, position=position)
+        return FilledContract(self.model, self.ctx, self.hidden, carried, declared=self)
 
     def check(self, handoff: Handoff) -> None:
         """Whether `handoff` is this contract's: every carried tensor, as declared, nothing else, a next row."""
@@ -216,7 +211,6 @@ class FilledContract(Contract):
     reserved and pulls shaped against it."""
 
     declared: Contract = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
-    position: int = 0
 
     @property
     def fingerprint(self) -> str:  # type: ignore[override]

@@ -368,7 +368,7 @@ def test_every_pair_of_tp_sizes_moves_a_prefix_and_a_reshard_copies_only_its_fil
 
 def test_a_filled_view_of_a_contract_is_cut_from_the_declared_rows():
     ring = Carried("k", 0, 512, 8, "bfloat16", rows_are_positions=True)
-    assert ring.filled(100).shape == (100, 8) and ring.filled(100).declared_rows == 512
+    assert ring.filled(100).shape == (100, 8) and ring.filled(100).cache_rows == 512
     assert ring.filled(512) is ring and ring.filled(9000) is ring  # wrapped: every row is filled
     fixed = Carried("memory", 0, 64, 8, "float32")
     assert fixed.filled(1) is fixed
