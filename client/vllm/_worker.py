@@ -49,6 +49,7 @@ class WorkerHalf:
         self.pages: dict[str, Any] = {}
         self.layouts: dict[str, PageLayout] = {}
         self.tensors: dict[str, tuple[str, str]] = {}  # vLLM layer name -> the contract's (key, value) tensors
+        self.layer_of: dict[str, str] = {}  # the contract's tensor name -> its vLLM layer name
         self._gathered: dict[str, dict[str, np.ndarray]] = {}
         self._senders = ThreadPoolExecutor(4, thread_name_prefix="handoff-push")
         self._sending: set[Future] = set()
@@ -78,6 +79,7 @@ class WorkerHalf:
             self.layouts[layer_name] = layout_for(backend, geometry, pages.dtype, self._isa(backend, geometry))
             self.pages[layer_name] = pages
             self.tensors[layer_name] = (keys[0].name, values[0].name)
+            self.layer_of.update({keys[0].name: layer_name, values[0].name: layer_name})
         logger.info("handoff connector: %d layers, %s pages, block %d, model %s at %s", len(kv_caches),
                     backend, cache.block_size, self.contract.model, self.settings.target)  # fmt: skip
         self._check_broker_contract()
@@ -146,12 +148,11 @@ class WorkerHalf:
     def _pull(self, load: LoadSpec) -> None:
         started = time.perf_counter()
         arrived: dict[str, np.ndarray] = {}
-        written: set[str] = set()
         try:
             pulled = self.client.pull_tensors(self.contract.model, load.handoff_id, timeout=self.settings.timeout)
             for carried, array in pulled:
                 arrived[carried.name] = array
-                self._write_layers(load, arrived, written)
+                self._write_layer(load, self.layer_of[carried.name], arrived)
             nbytes = sum(a.nbytes for a in arrived.values())
         except Exception as e:  # noqa: BLE001 - any failure at all: vLLM recomputes the blocks
             why = f"{e.reason} {e.message}" if isinstance(e, HandoffError) else repr(e)
@@ -168,11 +169,11 @@ class WorkerHalf:
     def _block_size(self) -> int:
         return self.vllm_config.cache_config.block_size
 
-    def _write_layers(self, load: LoadSpec, arrived: dict[str, np.ndarray], written: set[str]) -> None:
-        """Write every layer whose key and value have both arrived, once each, into the request's pages."""
-        for layer_name, (key_name, value_name) in self.tensors.items():
-            if key_name not in arrived or value_name not in arrived or layer_name in written:
-                continue
+    def _write_layer(self, load: LoadSpec, layer_name: str, arrived: dict[str, np.ndarray]) -> None:
+        """Write the layer into the request's pages once both its key and its value have arrived (each tensor
+        arrives once, so a layer is written once: when the second of its two does)."""
+        key_name, value_name = self.tensors[layer_name]
+        if key_name in arrived and value_name in arrived:
             keys = from_numpy(arrived[key_name][load.first : load.rows])
             values = from_numpy(arrived[value_name][load.first : load.rows])
             if self.settings.corrupt_pulled_kv:
@@ -180,7 +181,6 @@ class WorkerHalf:
             pages = self.pages[layer_name]
             self.layouts[layer_name].scatter(pages, list(load.block_ids), load.first, keys.to(pages.device),
                                              values.to(pages.device))  # fmt: skip
-            written.add(layer_name)
 
     def get_finished(self) -> set[str]:
         with self._lock:
