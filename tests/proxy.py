@@ -1,6 +1,9 @@
 """A TCP proxy on loopback that tests use to break a connection the way networks do.
 
-    cut_after(n)   the next connection is closed (RST) once n bytes have crossed it toward the broker or back
+    cut_after(n)   the next connection is closed (RST) once n bytes have crossed it toward the broker or back;
+                   with `once`, the proxy then holds the bytes until `once()` is true (the broker has taken in
+                   what a test needs it to have), so what a broken stream leaves behind does not hang on how
+                   fast the broker's threads happened to run
     freeze()       every connection stops carrying bytes but stays open: a peer gone without a FIN
 
 It forwards everything else as it is. Every socket and thread it opens, `close` ends.
@@ -11,6 +14,8 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
+from collections.abc import Callable
 
 
 class Proxy:
@@ -22,6 +27,7 @@ class Proxy:
         self.connections = 0
         self.carried: list[int] = []  # bytes each connection carried toward the broker
         self._cut_after: int | None = None
+        self._cut_once: Callable[[], bool] | None = None
         self._frozen = threading.Event()
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
@@ -29,8 +35,8 @@ class Proxy:
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
         self._threads[0].start()
 
-    def cut_after(self, n: int) -> None:
-        self._cut_after = n
+    def cut_after(self, n: int, once: Callable[[], bool] | None = None) -> None:
+        self._cut_after, self._cut_once = n, once
 
     def freeze(self) -> None:
         self._frozen.set()
@@ -43,6 +49,7 @@ class Proxy:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             budget, self._cut_after = self._cut_after, None
+            once, self._cut_once = self._cut_once, None
             crossed = [0]
             with self._lock:
                 self.connections += 1
@@ -50,12 +57,12 @@ class Proxy:
                 self._sockets += [client, upstream]
             index = len(self.carried) - 1
             for src, dst in ((client, upstream), (upstream, client)):
-                args = (src, dst, budget, crossed, (client, upstream), index if src is client else None)
+                args = (src, dst, budget, once, crossed, (client, upstream), index if src is client else None)
                 t = threading.Thread(target=self._pipe, args=args, daemon=True)
                 t.start()
                 self._threads.append(t)
 
-    def _pipe(self, src, dst, budget, crossed, pair, upstream_index) -> None:
+    def _pipe(self, src, dst, budget, once, crossed, pair, upstream_index) -> None:
         try:
             while not self._closed.is_set():
                 data = src.recv(1 << 16)
@@ -70,6 +77,7 @@ class Proxy:
                         self.carried[upstream_index] += len(data)
                     cut = budget is not None and crossed[0] >= budget
                 if cut:
+                    _wait_for(once, self._closed)
                     for s in pair:
                         _reset(s)
                     return
@@ -95,6 +103,12 @@ class Proxy:
                 _reset(s)
         for t in self._threads:
             t.join(timeout=5)
+
+
+def _wait_for(once: Callable[[], bool] | None, closed: threading.Event, limit: float = 20.0) -> None:
+    deadline = time.monotonic() + limit
+    while once is not None and not once() and time.monotonic() < deadline and not closed.wait(0.01):
+        pass
 
 
 def _reset(sock: socket.socket) -> None:

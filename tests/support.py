@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 
-from handoff_client import Contract, HandoffError
+from handoff_client import Contract, HandoffClient, HandoffError, UnknownHandoff
 from handoff_client._client import CHANNEL_OPTIONS
 from handoff_client._errors import from_rpc_error
 from handoff_client._frames import encode_chunk
@@ -79,3 +79,19 @@ def raises_handoff_error(call, *args, **kwargs) -> HandoffError:
     except HandoffError as e:
         return e
     raise AssertionError(f"{call} did not raise")
+
+
+def broker_holds(
+    address: str, model: str, handoff_id: str, at_least: int, shard: tuple[int, int] | None = None
+) -> Callable[[], bool]:
+    """Whether the broker at `address` holds `at_least` bytes of a push under way (asked afresh on each call)."""
+
+    def holds() -> bool:
+        with HandoffClient(address, timeout=5) as client:
+            try:
+                progress = client.push_progress(model, handoff_id, shard=shard)
+            except UnknownHandoff:
+                return False
+        return sum(r.length for t in progress.tensors for r in t.received) >= at_least
+
+    return holds

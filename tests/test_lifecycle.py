@@ -33,7 +33,7 @@ from handoff_client._frames import decode_chunk, encode_chunk
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import identity, method_path
 from proxy import Proxy
-from support import chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
+from support import broker_holds, chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
 from test_claims import wait_until
 
 DEMO = "demo-hybrid"  # 4,334,592 bytes a hand-off
@@ -311,7 +311,7 @@ def test_a_resumable_push_whose_connection_breaks_sends_only_the_rest(broker, co
     contract = contracts[DEMO]
     proxy = Proxy(broker.port)
     try:
-        proxy.cut_after(2_500_000)  # past the first tensors, well short of the 4.3 MB
+        proxy.cut_after(2_500_000, once=broker_holds(broker.address, DEMO, "r", 2_000_000))  # short of the 4.3 MB
         tensors = seeded_tensors(contract, seed=12)
         with HandoffClient(proxy.address, chunk_bytes=256 << 10) as client:
             result = client.push(DEMO, "r", 1, tensors, resumable=True)

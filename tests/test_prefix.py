@@ -36,7 +36,7 @@ from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._shards import Shard, join_shards, shard_arrays
 from handoff_client._wire import contract_from_proto, contract_to_proto
 from proxy import Proxy
-from support import chunk_frames, header_frame, raises_handoff_error, raw_push
+from support import broker_holds, chunk_frames, header_frame, raises_handoff_error, raw_push
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -311,7 +311,7 @@ def test_a_resumable_prefix_push_whose_connection_breaks_sends_only_the_rest(pre
     tensors = seeded_tensors(LLAMA, seed=14)  # whole caches; 1000 rows filled: 8 MB on the wire
     proxy = Proxy(prefix_broker.port)
     try:
-        proxy.cut_after(3_000_000)
+        proxy.cut_after(3_000_000, once=broker_holds(prefix_broker.address, LLAMA.model, "req", 2_500_000))
         with HandoffClient(proxy.address, chunk_bytes=256 << 10) as client:
             result = client.push(LLAMA.model, "req", 1000, tensors, resumable=True)
         assert proxy.connections == 2 and result.bytes == filled_bytes(LLAMA, 1000)

@@ -48,7 +48,7 @@ from handoff_client._frames import decode_chunk
 from handoff_client._shards import ShardContract, held_heads, pushes
 from test_claims import wait_until
 from proxy import Proxy
-from support import chunk_frames, header_frame, raises_handoff_error, raw_push
+from support import broker_holds, chunk_frames, header_frame, raises_handoff_error, raw_push
 
 CONFIGS = Path(__file__).parent / "configs"
 WORKERS = Path(__file__).parent / "workers.py"
@@ -428,7 +428,8 @@ def test_a_rank_whose_connection_breaks_resumes_its_own_part_and_sends_only_the_
         decoder = Decoder(client, contract, "req", 0, 1) if pulled_meanwhile else None
         client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(1, 2), pushing=True), shard=(1, 2))
         try:
-            proxy.cut_after(part_bytes // 2)  # rank 0's connection dies halfway through its part
+            holds = broker_holds(tp_broker.address, contract.model, "req", part_bytes // 2 - (256 << 10), (0, 2))
+            proxy.cut_after(part_bytes // 2, once=holds)  # rank 0's connection dies halfway through its part
             with HandoffClient(proxy.address, chunk_bytes=64 << 10) as through_proxy:
                 result = through_proxy.push(contract.model, "req", 3, rank0, shard=(0, 2), resumable=True)
             assert proxy.connections == 2 and not result.duplicate
