@@ -5,8 +5,8 @@ the values made up) out of a prefill engine's CPU_ATTN pages (block 128) into a 
     python benchmarks/connector.py --quick          # 2 layers, 1k tokens, 1 run (a smoke run: figures not meaningful)
 
 Per prompt length, medians of --runs, each path in this one process (a producer and a consumer thread):
-    gather       what the connector adds to the prefill's forward pass: reading every layer's rows out of the pages
-                 into the contract's layout (save_kv_layer); the push itself runs in the background
+    gather       the background sender's copy of every layer's rows out of the pages into the contract's layout,
+                 after the prefill step (the connector adds nothing to the step itself)
     handoff      from the end of the prefill (the gather done) to the decoder having the KV in its pages: push
                  through a broker process and pull, each layer written into the decoder's pages as it arrives
     files        the same request through files on this machine, as vLLM's ExampleConnector moves it: each layer
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             broker.terminate()
             broker.wait(timeout=20)
     print(f"Llama-3-8B-shaped KV ({layers} layers), CPU_ATTN pages, block 128 -> block 32, ms per 1k prompt tokens")
-    print("  prompt     MiB   gather (prefill step)   handoff (end of prefill -> KV in pages)   files   x files")
+    print("  prompt     MiB   gather (background)     handoff (end of prefill -> KV in pages)   files   x files")
     for r in results:
         print(f"  {r['tokens']:>6} {r['bytes'] / MiB:>7.0f} {r['gather_ms_per_1k_tokens']:>16.1f}"
               f" {r['handoff_ms_per_1k_tokens']:>35.1f} {r['files_ms_per_1k_tokens']:>14.1f}"

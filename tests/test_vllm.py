@@ -113,6 +113,7 @@ def pushed(model_dir, tmp_path_factory, vllm_broker):
     report = run_vllm("producer", model_dir, tmp_path_factory.mktemp("producer"), block=128,
                       target=vllm_broker.address, prompts=PROMPTS * 3)  # fmt: skip
     report["received"] = _received(vllm_broker) - received_before
+    assert report["blocks_held"] == 0  # every request's pages released once copied out
     return report
 
 
@@ -205,6 +206,21 @@ def test_a_broker_gone_while_the_decode_instance_pulls_ends_its_load_within_the_
     assert decoded["generate_seconds"] < 10 + 20  # no hang past the timeout (the rest is recompute and decoding)
 
 
+def test_a_prefill_instance_whose_pushes_fail_logs_why_and_releases_every_page(model_dir, tmp_path, contract):
+    """A broker with room for no hand-off at all: each push is refused; the prefill instance logs the reason, its
+    requests' pages are released all the same, and its prompts' results come back as ever."""
+    broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={MODEL: contract}, max_bytes=1000))
+    broker.start()
+    try:
+        done = run_vllm("producer", model_dir, tmp_path, block=128, target=broker.address, check=False, timeout=2)
+    finally:
+        broker.stop(grace=0.2)
+    assert done.returncode == 0, done.stderr_text[-5000:]
+    report = json.loads(done.stdout_text.strip().splitlines()[-1])
+    assert report["blocks_held"] == 0 and len(report["tokens"]) == len(PROMPTS)
+    assert done.stderr_text.count("was not pushed: CAPACITY_EXHAUSTED") == len(PROMPTS), done.stderr_text[-3000:]
+
+
 def test_a_decode_instance_whose_broker_serves_another_contract_is_refused_at_start_up(model_dir, tmp_path, contract):
     other = contract_from_config(json.loads((model_dir / "config.json").read_text()), ctx=2048, model=MODEL)
     broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={MODEL: other}))
@@ -256,6 +272,20 @@ def _wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float
     raise AssertionError(f"{url} did not come up in {timeout} s: {log.read_text()[-3000:]}")
 
 
+def _metric(url: str, name: str, expected: float, timeout: float = 20) -> float | None:
+    """The value of series `name` on the instance's /metrics, polled until it is `expected` (vLLM ships its stats
+    from the engine to the server a moment after the step); None if it is not there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+            lines = response.read().decode().splitlines()
+        values = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{")]
+        value = sum(values) if values else None
+        if value == expected or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
 def test_a_completion_through_vllm_serve_prefill_broker_and_decode_equals_one_vllm_serve(
     model_dir, tmp_path, vllm_broker
 ):
@@ -285,7 +315,14 @@ def test_a_completion_through_vllm_serve_prefill_broker_and_decode_equals_one_vl
         single = _post(f"{url['plain']}/v1/completions", request)
         assert disaggregated["choices"][0]["token_ids"] == single["choices"][0]["token_ids"]
         assert len(single["choices"][0]["token_ids"]) == MAX_TOKENS
-        assert _received(vllm_broker) - received == len(PROMPTS[2]) * BYTES_PER_TOKEN  # it went through the broker
+        filled = len(PROMPTS[2]) * BYTES_PER_TOKEN
+        assert _received(vllm_broker) - received == filled  # it went through the broker
+        # Each instance counts what it moved on its own /metrics, beside vLLM's series: bytes, and seconds a request.
+        assert _metric(url["prefill"], "vllm:handoff_pushed_bytes_total", filled) == filled
+        assert _metric(url["prefill"], "vllm:handoff_push_seconds_count", 1) == 1
+        assert _metric(url["decode"], "vllm:handoff_pulled_bytes_total", filled) == filled
+        assert _metric(url["decode"], "vllm:handoff_pull_seconds_count", 1) == 1
+        assert _metric(url["decode"], "vllm:handoff_failed_pulls_total", 0) == 0
     finally:
         proxy.terminate()
         proxy.wait(timeout=10)

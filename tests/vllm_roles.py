@@ -43,23 +43,31 @@ def main(role: str, model_dir: str, settings_file: str) -> None:
                                      extra_args=extra))  # fmt: skip
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
+    report = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "cached": [o.num_cached_tokens for o in outputs],
+        "kv_transfer_params": [o.kv_transfer_params for o in outputs],
+        "start_seconds": ready - started,
+        "generate_seconds": done - ready,
+    }
     if role == "producer":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         assert get_kv_transfer_group().flush(60), "pushes still under way after 60 s"
-    print(
-        json.dumps(
-            {
-                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                "cached": [o.num_cached_tokens for o in outputs],
-                "kv_transfer_params": [o.kv_transfer_params for o in outputs],
-                "start_seconds": ready - started,
-                "generate_seconds": done - ready,
-            }
-        )
-    )
+        report["blocks_held"] = blocks_held_after_release(llm)
+    print(json.dumps(report))
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's slow teardown
+
+
+def blocks_held_after_release(llm) -> int:
+    """The KV blocks still allocated once the engine has stepped until it holds no finished request's pages."""
+    core = llm.llm_engine.engine_core.engine_core  # in process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    deadline = time.monotonic() + 30
+    while core.scheduler.has_finished_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+    pool = core.scheduler.kv_cache_manager.block_pool
+    return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # (one block is vLLM's null block)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from ._scheduler import HandoffConnectorMetadata, SchedulerHalf
 from ._settings import ConnectorSettings, served_contract
+from ._stats import HandoffConnectorStats, HandoffPromMetrics
 from ._worker import WorkerHalf
 
 
@@ -64,10 +65,23 @@ class HandoffConnector(KVConnectorBase_V1):
         self.worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self.worker.get_finished() or None
+        released, received = self.worker.get_finished(finished_req_ids)
+        return released or None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> HandoffConnectorStats | None:
+        return self.worker.take_stats() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HandoffConnectorStats:
+        return HandoffConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> HandoffPromMetrics:  # fmt: skip
+        return HandoffPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Worker side: wait up to `timeout` s for the pushes under way to end (before a planned exit)."""

@@ -1,10 +1,11 @@
 """The connector's scheduler half: it only decides and builds metadata; the worker half moves the bytes.
 
-Producer (`kv_producer`, `kv_both`): every request whose prompt is fully computed in a step
-gets a save entry (its blocks and prompt length) in that step's metadata; the worker gathers each layer as the
-forward pass writes it and pushes the hand-off in the background. `request_finished` hands the router
-`kv_transfer_params` = {handoff_id, position, model, ticket}; the pages are released at once (the worker has
-already copied what it sends: the logical rows, not the pages).
+Producer (`kv_producer`, `kv_both`): every request whose prompt is fully computed in a step gets a save entry (its
+blocks and prompt length) in that step's metadata; after the step the worker copies the prompt's rows out of the
+pages and pushes them in the background. `request_finished` holds a saved request's pages (returns True) until the
+worker reports the push ended, and hands the router `kv_transfer_params` = {handoff_id, position, model, ticket}.
+Each step's metadata also names the requests vLLM preempted in it, whose pages it freed: the worker lets no copy
+still read them once the next forward pass may write them.
 
 Consumer (`kv_consumer`, `kv_both`): a request whose `kv_transfer_params` carry a `handoff_id` has its first
 `position` prompt tokens loaded asynchronously (vLLM then computes only the last prompt token); the load entry names
@@ -46,10 +47,12 @@ class LoadSpec:
 
 @dataclass
 class HandoffConnectorMetadata(KVConnectorMetadata):
-    """What one step's worker halves must do: the saves and loads the scheduler half decided."""
+    """What one step's worker halves must do: the saves and loads the scheduler half decided, and the requests
+    vLLM preempted (their pages freed) in this step."""
 
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
 
 
 class SchedulerHalf:
@@ -97,6 +100,7 @@ class SchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: Any) -> HandoffConnectorMetadata:
         meta = HandoffConnectorMetadata(loads=list(self._loads.values()))
+        meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
         self._loads.clear()
         if not self.producer:
             return meta
@@ -134,4 +138,4 @@ class SchedulerHalf:
         handoff_id = self.handoff_id(request.request_id)
         model = self.contract.model
         ticket = make_ticket(self.settings.target, model, handoff_id, self.contract.fingerprint)
-        return False, {"handoff_id": handoff_id, "position": rows, "model": model, "ticket": ticket}
+        return True, {"handoff_id": handoff_id, "position": rows, "model": model, "ticket": ticket}  # pages held

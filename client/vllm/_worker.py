@@ -4,26 +4,36 @@ At start-up (`register_kv_caches`) it learns the page layout of the attention ba
 an unknown one is refused, by name) and checks that the broker serves this model's contract with the same
 fingerprint (a broker serving another contract is refused, naming both fingerprints).
 
-Producer: `save_kv_layer` gathers each layer's keys and values for the prompt's rows out of the pages as the
-forward pass writes them (a copy in logical order); `wait_for_save` hands each finished request to a background
-sender, so the network never stalls the forward pass. A push that fails is logged with its reason; nothing waits.
+Producer: nothing runs on the forward pass. `wait_for_save`, at the end of the step that computed a prompt's last
+token, hands the request to a background sender, which copies each layer's keys and values for the prompt's rows out
+of the pages into the contract's layout (after the step's kernels, on a stream of its own on a GPU) and pushes them.
+The scheduler half holds the request's pages (`request_finished` returns True) until the push has ended, committed
+or failed; then `get_finished` releases them (finished sending), and vLLM, which steps while it holds a finished
+request's pages, sees the push's stats at once. A preempted request's pages are freed by vLLM itself, so the next
+step waits for any copy still reading them (`start_load_kv`) before its forward pass may write them. A push that
+fails is logged with its reason and counted; nothing waits on it.
 
-Consumer: `start_load_kv` starts a background pull per request; each tensor is written into the request's pages as
-it arrives whole. When the pull ends — confirmed, or failed (broker gone, hand-off expired or cancelled, a checksum
-or digest failed, past `timeout`) — `get_finished` reports the request, and a failure's blocks are reported by
-`get_block_ids_with_load_errors`, so vLLM recomputes them (or fails the request, by its kv_load_failure_policy).
+Consumer: `start_load_kv` starts a background pull per request; each layer is written into the request's pages as
+soon as its key and value have arrived. When the pull ends — confirmed, or failed (broker gone, hand-off expired or
+cancelled, a checksum or digest failed, past `timeout`) — `get_finished` reports the request (finished receiving),
+and a failure's blocks are reported by `get_block_ids_with_load_errors`, so vLLM recomputes them (or fails the
+request, by its kv_load_failure_policy). vLLM schedules the request only then: its loads are asynchronous, which
+vLLM does not combine with layer-by-layer loading (`wait_for_layer_load` has nothing to wait for).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
+import torch
 from handoff_client import HandoffClient, HandoffError
 from handoff_client._contract import Contract
 from handoff_client._errors import FingerprintMismatch
@@ -32,6 +42,7 @@ from handoff_client._torch import from_numpy, to_numpy
 from ._layouts import Geometry, PageLayout, layout_for
 from ._scheduler import HandoffConnectorMetadata, LoadSpec, SaveSpec
 from ._settings import ConnectorSettings
+from ._stats import HandoffConnectorStats
 
 logger = logging.getLogger(__name__)
 
@@ -46,23 +57,25 @@ class WorkerHalf:
         self.contract = contract
         self.vllm_config = vllm_config
         self.client = HandoffClient(settings.target, **settings.client_options())
-        self.pages: dict[str, Any] = {}
+        self.pages: dict[str, torch.Tensor] = {}
         self.layouts: dict[str, PageLayout] = {}
         self.tensors: dict[str, tuple[str, str]] = {}  # vLLM layer name -> the contract's (key, value) tensors
         self.layer_of: dict[str, str] = {}  # the contract's tensor name -> its vLLM layer name
-        self._gathered: dict[str, dict[str, np.ndarray]] = {}
+        self._stream: torch.cuda.Stream | None = None  # pages on a GPU: the stream the background copies run on
         self._senders = ThreadPoolExecutor(4, thread_name_prefix="handoff-push")
         self._sending: set[Future] = set()
         self._receivers = ThreadPoolExecutor(4, thread_name_prefix="handoff-pull")
         self._lock = threading.Lock()
+        self._copying: dict[str, threading.Event] = {}  # request -> set once its pages are copied out
+        self._sent: set[str] = set()  # requests whose push ended (committed or failed)
+        self._finished: set[str] = set()  # requests vLLM finished whose pages wait for their push
         self._received: set[str] = set()
         self._load_errors: set[int] = set()
-        self.stats = {"pushed_bytes": 0, "push_seconds": 0.0, "pulled_bytes": 0, "pull_seconds": 0.0,
-                      "gather_seconds": 0.0}  # fmt: skip
+        self.stats = HandoffConnectorStats()
 
     # -- start-up -----------------------------------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
         backend = get_current_attn_backends(self.vllm_config)[0].get_name()
@@ -80,6 +93,11 @@ class WorkerHalf:
             self.pages[layer_name] = pages
             self.tensors[layer_name] = (keys[0].name, values[0].name)
             self.layer_of.update({keys[0].name: layer_name, values[0].name: layer_name})
+            if pages.is_cuda and self._stream is None:
+                self._stream = torch.cuda.Stream(device=pages.device)
+        if 2 * len(self.tensors) != len(self.contract.carried):
+            raise ValueError(f"{self.contract.model}: vLLM pages {len(self.tensors)} layers of keys and values, "
+                             f"the contract carries {len(self.contract.carried)} tensors")  # fmt: skip
         logger.info("handoff connector: %d layers, %s pages, block %d, model %s at %s", len(kv_caches),
                     backend, cache.block_size, self.contract.model, self.settings.target)  # fmt: skip
         self._check_broker_contract()
@@ -99,49 +117,83 @@ class WorkerHalf:
                 self.contract.model, served.fingerprint, self.contract.fingerprint
             )  # names both: the broker's, and the one this engine's model and cache dtype make
 
+    @contextlib.contextmanager
+    def _on_own_stream(self, after: torch.cuda.Event | None = None) -> Iterator[None]:
+        """GPU pages: run the block's copies on the connector's stream (after `after`) and wait for them at its end."""
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
+            yield
+        self._stream.synchronize()
+
     # -- producer -----------------------------------------------------------------------------------------------------
 
     def save_kv_layer(self, layer_name: str, metadata: HandoffConnectorMetadata) -> None:
-        if not metadata.saves or layer_name not in self.layouts:
-            return
-        started = time.perf_counter()
-        key_name, value_name = self.tensors[layer_name]
-        for save in metadata.saves:
-            keys, values = self.layouts[layer_name].gather(self.pages[layer_name], list(save.block_ids), save.rows)
-            gathered = self._gathered.setdefault(save.request_id, {})
-            gathered[key_name] = to_numpy(keys.cpu())
-            gathered[value_name] = to_numpy(values.cpu())
-        self.stats["gather_seconds"] += time.perf_counter() - started
+        return  # nothing on the forward pass: the pages are read after the step, by the background sender
 
     def wait_for_save(self, metadata: HandoffConnectorMetadata) -> None:
+        if not metadata.saves:
+            return
+        written = None
+        if self._stream is not None:  # the step's kernels may still be writing the pages: copy after them
+            written = torch.cuda.Event()
+            written.record()
         for save in metadata.saves:
-            tensors = self._gathered.pop(save.request_id, {})
-            if len(tensors) == len(self.contract.carried):
-                sending = self._senders.submit(self._push, save, tensors)
-                self._sending.add(sending)
-                sending.add_done_callback(self._sending.discard)
-            else:
-                logger.warning("hand-off %s: %d of %d tensors gathered; not pushed", save.handoff_id,
-                               len(tensors), len(self.contract.carried))  # fmt: skip
+            copied = threading.Event()
+            with self._lock:
+                self._copying[save.request_id] = copied
+            sending = self._senders.submit(self._copy_and_push, save, written, copied)
+            self._sending.add(sending)
+            sending.add_done_callback(self._sending.discard)
 
-    def _push(self, save: SaveSpec, tensors: dict[str, np.ndarray]) -> None:
+    def _copy_and_push(self, save: SaveSpec, written: torch.cuda.Event | None, copied: threading.Event) -> None:
+        try:
+            self._push(save, written, copied)
+        finally:
+            copied.set()
+            with self._lock:
+                self._sent.add(save.request_id)
+
+    def _push(self, save: SaveSpec, written: torch.cuda.Event | None, copied: threading.Event) -> None:
         started = time.perf_counter()
         try:
+            with self._on_own_stream(after=written):
+                tensors = self._copy_out(save)
+            copied.set()
             result = self.client.push(self.contract.model, save.handoff_id, save.rows, tensors,
                                       ttl=self.settings.ttl or None)  # fmt: skip
         except HandoffError as e:
             logger.warning("hand-off %s was not pushed: %s %s", save.handoff_id, e.reason, e.message)
-            return
-        except Exception:  # a worker thread must not die silently
+            return self._record_failure(pushing=True)
+        except Exception:  # a worker thread must not die silently; the pages are released all the same
             logger.exception("hand-off %s was not pushed", save.handoff_id)
-            return
+            return self._record_failure(pushing=True)
         with self._lock:
-            self.stats["pushed_bytes"] += result.bytes
-            self.stats["push_seconds"] += time.perf_counter() - started
+            self.stats.record_push(result.bytes, time.perf_counter() - started)
+
+    def _copy_out(self, save: SaveSpec) -> dict[str, np.ndarray]:
+        """Every layer's keys and values of the prompt's rows, out of the pages, in the contract's layout."""
+        tensors = {}
+        for layer_name, (key_name, value_name) in self.tensors.items():
+            keys, values = self.layouts[layer_name].gather(self.pages[layer_name], list(save.block_ids), save.rows)
+            tensors[key_name], tensors[value_name] = to_numpy(keys.cpu()), to_numpy(values.cpu())
+        return tensors
+
+    def _record_failure(self, pushing: bool) -> None:
+        with self._lock:
+            self.stats.record_failure(pushing)
 
     # -- consumer -----------------------------------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: HandoffConnectorMetadata) -> None:
+        for request_id in metadata.preempted:  # vLLM freed these pages: no copy may still read them
+            with self._lock:
+                copying = self._copying.get(request_id)
+            if copying is not None:
+                copying.wait()
         for load in metadata.loads:
             self._receivers.submit(self._pull, load)
 
@@ -150,20 +202,21 @@ class WorkerHalf:
         arrived: dict[str, np.ndarray] = {}
         try:
             pulled = self.client.pull_tensors(self.contract.model, load.handoff_id, timeout=self.settings.timeout)
-            for carried, array in pulled:
-                arrived[carried.name] = array
-                self._write_layer(load, self.layer_of[carried.name], arrived)
+            with self._on_own_stream():
+                for carried, array in pulled:
+                    arrived[carried.name] = array
+                    self._write_layer(load, self.layer_of[carried.name], arrived)
             nbytes = sum(a.nbytes for a in arrived.values())
         except Exception as e:  # noqa: BLE001 - any failure at all: vLLM recomputes the blocks
             why = f"{e.reason} {e.message}" if isinstance(e, HandoffError) else repr(e)
             logger.warning("hand-off %s was not loaded (%s): vLLM recomputes its blocks", load.handoff_id, why)
             with self._lock:
+                self.stats.record_failure(pushing=False)
                 self._load_errors.update(load.block_ids[load.first // self._block_size() :])
                 self._received.add(load.request_id)
             return
         with self._lock:
-            self.stats["pulled_bytes"] += nbytes
-            self.stats["pull_seconds"] += time.perf_counter() - started
+            self.stats.record_pull(nbytes, time.perf_counter() - started)
             self._received.add(load.request_id)
 
     def _block_size(self) -> int:
@@ -182,15 +235,29 @@ class WorkerHalf:
             self.layouts[layer_name].scatter(pages, list(load.block_ids), load.first, keys.to(pages.device),
                                              values.to(pages.device))  # fmt: skip
 
-    def get_finished(self) -> set[str]:
+    # -- both ---------------------------------------------------------------------------------------------------------
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(requests whose pages the producer releases now, requests whose load ended); vLLM's finished requests
+        are remembered until their push has ended."""
         with self._lock:
-            done, self._received = self._received, set()
-        return done
+            self._finished |= finished_req_ids & self._copying.keys()
+            released = self._finished & self._sent
+            self._finished -= released
+            self._sent -= released
+            for request_id in released:
+                del self._copying[request_id]
+            received, self._received = self._received, set()
+        return released, received
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_stats(self) -> HandoffConnectorStats | None:
+        with self._lock:
+            return self.stats.take()
 
     def flush(self, timeout: float) -> bool:
         """Wait up to `timeout` s for every push handed to the background sender to end; whether all did."""
