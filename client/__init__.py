@@ -26,6 +26,7 @@ from ._dtypes import DTYPES
 from ._errors import (
     AlreadyClaimed,
     BadChunk,
+    BrokerBusy,
     BrokerUnavailable,
     CallCancelled,
     CapacityExhausted,
@@ -71,6 +72,7 @@ __all__ = [
     "DTYPES",
     "AlreadyClaimed",
     "BadChunk",
+    "BrokerBusy",
     "BrokerUnavailable",
     "CallCancelled",
     "CapacityExhausted",

@@ -32,6 +32,7 @@ from ._contract import Carried, Contract, Handoff, TensorSpans, check_array, cut
 from ._errors import (
     AlreadyClaimed,
     BadChunk,
+    BrokerBusy,
     BrokerUnavailable,
     CallCancelled,
     DigestMismatch,
@@ -81,7 +82,8 @@ class RetryPolicy:
 
     Safe: a push that met UNAVAILABLE (the broker drops a broken push at once, and a repeat of a committed one is
     recognised byte for byte and changes nothing); a pull whose stream broke or whose push was aborted (the claim
-    goes back to the pool); a confirm (idempotent for its claim). Never retried: anything the broker refused.
+    goes back to the pool); a confirm (idempotent for its claim); a call refused as BROKER_BUSY (it took nothing).
+    Never retried: anything else the broker refused.
     """
 
     attempts: int = 4
@@ -101,13 +103,15 @@ NO_RETRY = RetryPolicy(attempts=1)
 
 
 def retryable_push(error: HandoffError) -> bool:
-    """A push is retried only when the broker could not be reached (and is not draining: go elsewhere)."""
-    return type(error) is BrokerUnavailable
+    """A push is retried only when the broker could not be reached (and is not draining: go elsewhere) or was at
+    its limit of concurrent work (it took nothing)."""
+    return type(error) in (BrokerUnavailable, BrokerBusy)
 
 
 def retryable_pull(error: HandoffError) -> bool:
-    """A pull is retried when its stream broke or its push was aborted: the hand-off is, or will be, there again."""
-    return type(error) in (BrokerUnavailable, CallCancelled, PushAborted)
+    """A pull is retried when its stream broke or its push was aborted: the hand-off is, or will be, there again;
+    or when the broker was at its limit of concurrent work."""
+    return type(error) in (BrokerUnavailable, BrokerBusy, CallCancelled, PushAborted)
 
 
 @dataclass(frozen=True)
@@ -330,8 +334,10 @@ class HandoffClient:
         ticket: str | None = None,
         shard: Shard | tuple[int, int] | None = None,
         into: Mapping[str, np.ndarray] | None = None,
+        wait_for_push: float | None = None,
     ) -> Handoff:
-        """Claim the hand-off (waiting up to `timeout` for its push), receive it whole, verify it, confirm it.
+        """Claim the hand-off (waiting up to `timeout`, or `wait_for_push` s if less, for its push to begin),
+        receive it whole, verify it, confirm it.
 
         The arrays are the hand-off's: a tensor whose rows are positions comes as the rows its position filled,
         `(min(position, rows), cols)`. A `ticket` (from the push) is checked to name this hand-off and this
@@ -350,7 +356,7 @@ class HandoffClient:
             if fields["f"] != contract.fingerprint:
                 raise FingerprintMismatch(model, contract.fingerprint, fields["f"])
 
-        attempts = _PullAttempts(self, model, handoff_id, as_shard(model, shard), into)
+        attempts = _PullAttempts(self, model, handoff_id, as_shard(model, shard), into, wait_for_push)
         return self._with_retries(attempts.run, attempts.retryable, timeout)
 
     def pull_tensors(
@@ -362,6 +368,7 @@ class HandoffClient:
         supersedes: int = 0,
         shard: Shard | tuple[int, int] | None = None,
         into: Mapping[str, np.ndarray] | None = None,
+        wait_for_push: float | None = None,
     ) -> PulledTensors:
         """Claim the hand-off and yield `(carried, array)` as each tensor arrives whole, for a decoder that starts
         on layer 0 while later layers are still on the wire (the broker streams a push still under way).
@@ -376,7 +383,13 @@ class HandoffClient:
         declared = self.get_contract(model)
         deadline = self.timeout if timeout is None else timeout
         wire_shard = shard_to_proto(part)
-        request = pb.PullRequest(model=model, handoff_id=handoff_id, supersedes=supersedes, shard=wire_shard)
+        request = pb.PullRequest(
+            model=model,
+            handoff_id=handoff_id,
+            supersedes=supersedes,
+            shard=wire_shard,
+            wait_seconds=wait_for_push or 0.0,
+        )
         arrays = _destinations(view(declared, part, pushing=False), into)  # checked before the claim
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)
         return PulledTensors(self, declared, part, handoff_id, stream, deadline, arrays)
@@ -472,20 +485,26 @@ class _PullAttempts:
     over at once; and after a break, ALREADY_CLAIMED may be that very claim, not yet noticed dead: retry it too."""
 
     def __init__(
-        self, client: HandoffClient, model: str, handoff_id: str, shard: Shard, into: Mapping[str, np.ndarray] | None
+        self,
+        client: HandoffClient,
+        model: str,
+        handoff_id: str,
+        shard: Shard,
+        into: Mapping[str, np.ndarray] | None,
+        wait_for_push: float | None,
     ) -> None:
         self.client = client
         self.model = model
         self.handoff_id = handoff_id
         self.shard = shard
         self.into = into
+        self.wait_for_push = wait_for_push
         self.claim = 0
         self.broke = False
 
     def run(self, timeout: float) -> Handoff:
-        tensors = self.client.pull_tensors(
-            self.model, self.handoff_id, timeout=timeout, supersedes=self.claim, shard=self.shard, into=self.into
-        )
+        tensors = self.client.pull_tensors(self.model, self.handoff_id, timeout=timeout, supersedes=self.claim,
+                                           shard=self.shard, into=self.into, wait_for_push=self.wait_for_push)  # fmt: skip
         try:
             for _ in tensors:
                 pass

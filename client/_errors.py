@@ -25,6 +25,7 @@
     │   └── WaitTimedOut              the hand-off did not come in time
     ├── CapacityExhausted             no room for the hand-off's bytes now               RESOURCE_EXHAUSTED
     ├── MessageTooLarge               a message over the broker's limit                  RESOURCE_EXHAUSTED
+    ├── BrokerBusy                    at its limit of open streams or waiting calls      RESOURCE_EXHAUSTED
     ├── BrokerUnavailable             the broker cannot be reached                       UNAVAILABLE
     │   └── Draining                  the broker is shutting down; go elsewhere
     ├── CallCancelled                                                                    CANCELLED
@@ -53,6 +54,19 @@ from google.rpc import error_details_pb2, status_pb2
 
 DOMAIN = "handoff.v1"
 
+MAX_MESSAGE_CHARS = 2048
+MAX_FIELD_CHARS = 256
+"""What an error echoes of what a caller sent is bounded: a status must fit gRPC's metadata limit (8 KiB), and a
+log line must not carry a megabyte a client made up."""
+
+
+def bounded(text: str, limit: int) -> str:
+    """`text`, or its first characters and how long it was."""
+    if len(text) <= limit:
+        return text
+    note = f"… ({len(text)} characters)"
+    return text[: limit - len(note)] + note
+
 
 class HandoffError(Exception):
     """Base of every error a hand-off can meet; `code` and `reason` say how it travels on the wire."""
@@ -61,9 +75,12 @@ class HandoffError(Exception):
     reason: ClassVar[str] = "ERROR_REASON_UNSPECIFIED"
 
     def __init__(self, message: str, **fields: object) -> None:
+        message = bounded(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
-        self.fields: dict[str, str] = {key: str(value) for key, value in fields.items() if value is not None}
+        self.fields: dict[str, str] = {
+            key: bounded(str(value), MAX_FIELD_CHARS) for key, value in fields.items() if value is not None
+        }
 
     @property
     def model(self) -> str | None:
@@ -100,6 +117,7 @@ class UnknownTensor(ContractViolation):
     reason = "UNKNOWN_TENSOR"
 
     def __init__(self, model: str, tensor: str) -> None:
+        tensor = bounded(tensor, MAX_FIELD_CHARS)  # a name a client made up: echoed bounded
         super().__init__(
             f"{model}: the hand-off carries `{tensor}`, which no decode step reads", model=model, tensor=tensor
         )
@@ -359,10 +377,10 @@ class CapacityExhausted(HandoffError):
     reason = "CAPACITY_EXHAUSTED"
     retry_after = 1.0
 
-    def __init__(self, model: str, asked: int, free: int, capacity: int) -> None:
+    def __init__(self, model: str, asked: int, free: int, capacity: int, what: str = "bytes") -> None:
         never = " (more than it can ever hold: raise --max-bytes)" if asked > capacity else ""
         super().__init__(
-            f"{model}: the hand-off needs {asked} bytes and the broker has {free} of {capacity} free{never}",
+            f"{model}: the hand-off needs {asked} {what} and the broker has {free} of {capacity} free{never}",
             model=model,
             asked=asked,
             free=free,
@@ -382,6 +400,20 @@ class MessageTooLarge(HandoffError):
             model=model,
             size=size,
             limit=limit,
+        )
+
+
+class BrokerBusy(HandoffError):
+    """The broker is at a limit on concurrent work (open push and pull streams, or calls waiting for a push or for
+    room), which keeps threads free for health, status and the work under way; a retry shortly may be taken."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "BROKER_BUSY"
+    retry_after = 0.5
+
+    def __init__(self, what: str, limit: int, model: str | None = None) -> None:
+        super().__init__(
+            f"the broker already has {limit} {what}, its limit; retry shortly", model=model, what=what, limit=limit
         )
 
 
@@ -505,7 +537,7 @@ _BY_CODE: dict[grpc.StatusCode, type[HandoffError]] = {
 def to_status(error: HandoffError) -> status_pb2.Status:
     """The google.rpc.Status that carries `error` to the other side."""
     details = [error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.fields)]
-    if isinstance(error, CapacityExhausted):
+    if isinstance(error, (CapacityExhausted, BrokerBusy)):
         delay = error_details_pb2.RetryInfo()
         delay.retry_delay.FromNanoseconds(int(error.retry_after * 1e9))
         details.append(delay)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -28,6 +29,7 @@ from ._etcd import list_values
 from ._errors import BrokerUnavailable, HandoffError, MalformedRequest, WaitTimedOut
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 TICKET_PREFIX = "hb1:"
 PROBE_SECONDS = 0.2
@@ -130,22 +132,23 @@ def in_order(brokers: list[str], attempt: Callable[[str], T]) -> T:
     raise last or BrokerUnavailable._rebuild("no broker in the set", {})
 
 
-def probe_then_wait(brokers: list[str], pull: Callable[[str, float], T], timeout: float) -> T:
+def probe_then_wait(brokers: list[str], pull: Callable[[str, float, float | None], T], timeout: float) -> T:
     """Ask the first few brokers briefly (the push may have gone to the next one while the first was down), then
-    wait at the first that answers for what is left of `timeout`."""
+    wait at the first that answers for what is left of `timeout`. `pull(broker, timeout, wait_for_push)`: a probe
+    waits PROBE_SECONDS for the push to begin, but a hand-off it finds streams for the whole of what is left."""
     deadline = time.monotonic() + timeout
     answering: list[str] = []
     last: HandoffError | None = None
     for broker in brokers[:PROBED]:
         try:
-            return pull(broker, min(PROBE_SECONDS, max(deadline - time.monotonic(), 0.0)))
+            return pull(broker, max(deadline - time.monotonic(), 0.0), PROBE_SECONDS)
         except WaitTimedOut:
             answering.append(broker)
         except BrokerUnavailable as e:
             last = named(broker, e)
     for broker in answering[:1] or brokers[PROBED : PROBED + 1]:
         try:
-            return pull(broker, max(deadline - time.monotonic(), 0.0))
+            return pull(broker, max(deadline - time.monotonic(), 0.0), None)
         except HandoffError as e:
             raise named(broker, e) from None
     raise last or WaitTimedOut._rebuild("no broker in the set holds the hand-off", {})
@@ -203,15 +206,23 @@ class FleetClient:
         """From the broker the ticket names, or else by rendezvous order: a brief look at the first few, then a wait
         at the first that answers."""
         timeout = self.timeout if timeout is None else timeout
+        brokers = self._set.brokers()
         if ticket is not None:
             fields = ticket_for(ticket, model, handoff_id)
-            try:
-                return self._client(fields["b"]).pull(model, handoff_id, timeout=timeout, ticket=ticket, **kwargs)
-            except HandoffError as e:
-                raise named(fields["b"], e) from None
-        order = rendezvous(self._set.brokers(), model, handoff_id)
+            if fields["b"] in brokers:
+                try:
+                    return self._client(fields["b"]).pull(model, handoff_id, timeout=timeout, ticket=ticket, **kwargs)
+                except HandoffError as e:
+                    raise named(fields["b"], e) from None
+            # A ticket is unsigned: it may only choose among the brokers this client was given, never send the
+            # decoder's token and keys to a host of the ticket's choosing.
+            logger.warning("the ticket for %s/%s names %s, which is not in this client's broker set; pulling by "
+                           "rendezvous order instead", model, handoff_id, fields["b"][:100])  # fmt: skip
+        order = rendezvous(brokers, model, handoff_id)
         return probe_then_wait(
-            order, lambda b, t: self._client(b).pull(model, handoff_id, timeout=t, **kwargs), timeout
+            order,
+            lambda b, t, w: self._client(b).pull(model, handoff_id, timeout=t, wait_for_push=w, **kwargs),
+            timeout,
         )
 
     def cancel(self, model: str, handoff_id: str, **kwargs: object) -> bool:

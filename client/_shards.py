@@ -43,6 +43,10 @@ class Shard:
 
 WHOLE = Shard()
 
+MAX_TP_SIZE = 256
+"""The largest tensor-parallel size a shard may name: past any engine's, and a bound on the per-rank work (plans,
+parts) one request can make the broker do."""
+
 
 def as_shard(model: str, value: Shard | tuple[int, int] | None) -> Shard:
     """A Shard from what a caller passed (`(rank, size)`, a Shard, or None for the whole); ShardLayout if it is not
@@ -52,6 +56,8 @@ def as_shard(model: str, value: Shard | tuple[int, int] | None) -> Shard:
     shard = value if isinstance(value, Shard) else Shard(*value)
     if shard.size < 1 or not 0 <= shard.rank < shard.size:
         raise ShardLayout(model, f"shard rank {shard.rank} of TP size {shard.size}: a rank must be in [0, size)")
+    if shard.size > MAX_TP_SIZE:
+        raise ShardLayout(model, f"a TP size of {shard.size} is past the largest the broker takes, {MAX_TP_SIZE}")
     return shard
 
 

@@ -15,19 +15,21 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from handoff_client._allocator import tune_allocator, trim
 from handoff_client._client import MAX_MESSAGE_BYTES
 from handoff_client._contract import Contract
 from handoff_client._wire import SERVICE_NAME
 
+from .admission import Admission
 from .auth import AuthInterceptor, TokenTable
 from .contracts import default_contracts
-from .metrics import Metrics
+from .metrics import Metrics, MetricsServer
 from .registry import EtcdRegistration
 from .service import HandoffBrokerServicer, rpc_handler
 from .store import Store, StoreConfig, StoreStats
+from .watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +63,10 @@ class BrokerConfig:
     idle_timeout: float = 30.0
     resume_window: float = 10.0
     trim_after: float = 30.0
-    # Port of the Prometheus /metrics endpoint (0: any free port); None: no endpoint.
+    # Port of the Prometheus /metrics endpoint (0: any free port); None: no endpoint. Its address: `host` unless
+    # `metrics_host` says otherwise (scrapes from a private network while gRPC listens on a public one, say).
     metrics_port: int | None = None
+    metrics_host: str | None = None
     workers: int = DEFAULT_WORKERS
     # HTTP/2 keepalive: a decoder whose connection dies without a FIN is noticed and its claim returned.
     keepalive_seconds: float = 20.0
@@ -123,7 +127,16 @@ class Broker:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.so_reuseport", 0),  # a second broker on a taken port must fail, not silently share it
         ]
-        servicer = HandoffBrokerServicer(self.store, self.metrics, config.max_message_bytes)
+        self.admission = Admission.for_workers(config.workers)
+        self.watchdog = Watchdog()
+        servicer = HandoffBrokerServicer(
+            self.store,
+            self.metrics,
+            self.admission,
+            self.watchdog,
+            max_message_bytes=config.max_message_bytes,
+            idle_timeout=config.idle_timeout,
+        )
         interceptors = [AuthInterceptor(config.tokens, servicer._count_refusal)] if config.tokens else []
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="handoff-rpc"),
@@ -155,11 +168,10 @@ class Broker:
 
     def start(self) -> Broker:
         if self.config.metrics_port is not None:
-            self._metrics_server, _ = start_http_server(
-                self.config.metrics_port, addr=self.config.host, registry=self.registry
-            )
+            host = self.config.metrics_host or self.config.host
+            self._metrics_server = MetricsServer(host, self.config.metrics_port, self.registry).serve_in_background()
             self.metrics_port = self._metrics_server.server_port
-            logger.info("metrics on http://%s:%d/metrics", _bracketed(self.config.host), self.metrics_port)
+            logger.info("metrics on http://%s:%d/metrics", _bracketed(host), self.metrics_port)
         self.store.on_idle = trim
         self.store.start()
         self.server.start()
@@ -201,6 +213,7 @@ class Broker:
         self.store.drain()
         self.store.settled(grace)
         self.server.stop(0.2).wait()
+        self.watchdog.stop()
         self.store.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()

@@ -148,6 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
         resume_window=args.resume_window,
         trim_after=args.trim_after,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        metrics_host=args.metrics_host,
         workers=args.workers,
         keepalive_seconds=args.keepalive,
         keepalive_timeout_seconds=args.keepalive_timeout,
@@ -367,8 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trim-after", type=float, default=30.0,
                        help="seconds holding nothing before freed memory goes back to the system (30)")  # fmt: skip
     serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port; -1: none (9464)")
+    serve.add_argument("--metrics-host", help="the address /metrics listens on (default: --host's)")
     serve.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish on SIGTERM (10)")
-    serve.add_argument("--workers", type=int, default=256, help="threads serving calls (256)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=256,
+        help="threads serving calls (256); an eighth kept for health and status, at most half the rest waiting (for a push, or for room)",
+    )
     serve.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (with --tls-key)")
     serve.add_argument("--tls-key", metavar="PEM", help="the TLS private key")
     serve.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates from this CA (mutual TLS)")

@@ -253,7 +253,7 @@ class TensorParallelGroups:
             part.digest = reshard.digest_of(part.ordered)
             part.committed, part.committed_at, part.expires_at = True, committed_at, now + part.ttl
             part.changed.notify_all()
-        self._hand_over_pushed(group)
+        self._hand_over_pushed(group, group.plans)
         group.feeding, group.holders, group.plans = False, {}, []
         self._changed.notify_all()
 
@@ -268,12 +268,14 @@ class TensorParallelGroups:
         group.pulled[shard.rank] = part
         return part
 
-    def _hand_over_pushed(self, group: Group) -> None:
-        """Under the lock, once the cut is whole: the pushed parts go, and their reservations pass to the group,
-        whose pulling ranks' parts share their frames."""
+    def _hand_over_pushed(self, group: Group, plans: list[reshard.ShardPlan]) -> None:
+        """Under the lock, once the cut is whole: the pushed parts go. What the pulling ranks' parts reuse of their
+        frames stays reserved, by the group; what the cut copied (and so freed) is charged no more."""
+        reused = {id(chunks) for plan in plans for chunks in plan.reuse.values()}
         for entry in list(group.pushed.values()):
-            group.reserved += entry.reserved
-            self._resident += entry.reserved
+            kept = sum(c.nbytes for c, chunks in zip(entry.contract.carried, entry.by_tensor) if id(chunks) in reused)
+            group.reserved += kept
+            self._resident += kept
             self._free(entry, "cut")
         group.pushed = {}
 
@@ -313,7 +315,7 @@ class TensorParallelGroups:
             part.digest, part.committed, part.committed_at = digest, True, committed_at
             part.expires_at = now + ttl
         group.pull_size = size
-        self._hand_over_pushed(group)
+        self._hand_over_pushed(group, plans)
         self._changed.notify_all()
         self.events.resharded(group.key[0], extra)
         logger.info("hand-off %s/%s cut for %d pulling ranks (%d bytes copied)", *group.key, size, extra)

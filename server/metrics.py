@@ -9,10 +9,14 @@ Gauges of what the store holds are read from it at scrape time rather than kept 
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Callable, Iterator
+from http.server import ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
 from .store import StoreStats
@@ -133,3 +137,34 @@ class _StoreCollector(Collector):
         )
         yield GaugeMetricFamily("handoff_oldest_seconds", "Age of the oldest hand-off held.", value=s.oldest_seconds)
         yield GaugeMetricFamily("handoff_draining", "1 while the broker drains.", value=float(s.draining))
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """/metrics over HTTP with bounded concurrency: at most `limit` connections are served at once (more are
+    closed at once), and a connection that sends nothing for `timeout` seconds is dropped, so half-sent requests
+    cannot pile up threads (prometheus_client's own server starts a thread per connection, with no timeout)."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, limit: int = 8, timeout: float = 5.0) -> None:
+        handler = type("Handler", (MetricsHandler.factory(registry),), {"timeout": timeout})
+        handler.log_message = lambda *args: None  # type: ignore[method-assign]  # (scrapes are not news)
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host, port), handler)
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # at the limit: refuse rather than queue a thread
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def serve_in_background(self) -> MetricsServer:
+        threading.Thread(target=self.serve_forever, name="handoff-metrics", daemon=True).start()
+        return self

@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 
 import grpc
 from grpc_status import rpc_status
 
-from handoff_client._errors import HandoffError, InternalError, MalformedRequest, MessageTooLarge, to_status
+from handoff_client._errors import (
+    BrokerBusy,
+    HandoffError,
+    InternalError,
+    MalformedRequest,
+    MessageTooLarge,
+    WaitTimedOut,
+    to_status,
+)
 from handoff_client._frames import ChunkFrame
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import (
@@ -27,9 +36,11 @@ from handoff_client._wire import (
     shard_from_proto,
 )
 
+from .admission import Admission
 from .auth import authorize_model, may_see
 from .metrics import Metrics
 from .store import Claim, Store
+from .watchdog import Watch, Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +62,8 @@ def _mapped(method: Callable) -> Callable:
     @functools.wraps(method)
     def handler(self: HandoffBrokerServicer, request: object, context: grpc.ServicerContext) -> object:
         try:
+            if isinstance(request, Malformed):
+                raise MalformedRequest(request.why)
             return method(self, request, context)
         except HandoffError as e:
             self._refused(method.__name__, e)
@@ -72,6 +85,8 @@ def _mapped_stream(method: Callable) -> Callable:
     @functools.wraps(method)
     def handler(self: HandoffBrokerServicer, request: object, context: grpc.ServicerContext) -> Iterator[object]:
         try:
+            if isinstance(request, Malformed):
+                raise MalformedRequest(request.why)
             yield from method(self, request, context)
         except HandoffError as e:
             self._refused(method.__name__, e)
@@ -93,10 +108,22 @@ def _wait_budget(context: grpc.ServicerContext) -> float:
 class HandoffBrokerServicer:
     """The RPCs of handoff.v1.HandoffBroker."""
 
-    def __init__(self, store: Store, metrics: Metrics, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics,
+        admission: Admission,
+        watchdog: Watchdog,
+        *,
+        max_message_bytes: int = 64 << 20,
+        idle_timeout: float = 30.0,
+    ) -> None:
         self.store = store
         self.metrics = metrics
+        self.admission = admission
+        self.watchdog = watchdog
         self.max_message_bytes = max_message_bytes
+        self.idle_timeout = idle_timeout
 
     def _model_label(self, model: str | None) -> str:
         """A model label from the fixed set served; anything a caller made up is "unknown" (bounded cardinality)."""
@@ -123,6 +150,16 @@ class HandoffBrokerServicer:
 
     @_mapped
     def PushHandoff(self, requests: Iterator[object], context: grpc.ServicerContext) -> pb.PushResponse:
+        """A stream slot for the call's life; a client silent for `idle_timeout` (before its header or after) has
+        its call cancelled by the watchdog."""
+        with self.admission.streams.take():
+            watch = self.watchdog.watch(context.cancel)
+            try:
+                return self._push(_watched(requests, watch, self.idle_timeout), context)
+            finally:
+                watch.close()
+
+    def _push(self, requests: Iterator[object], context: grpc.ServicerContext) -> pb.PushResponse:
         header = next(requests, None)
         if not isinstance(header, pb.PushHeader):
             why = header.why if isinstance(header, Malformed) else "a push must start with its header"
@@ -133,19 +170,25 @@ class HandoffBrokerServicer:
         outcome = "refused"
         self.metrics.streams.labels("push").inc()
         try:
-            session = self.store.begin_push(
-                header.model,
-                header.handoff_id,
-                header.position,
-                header.fingerprint,
-                wait=_wait_budget(context),
-                ttl=header.ttl_seconds,
-                no_wait=header.no_wait,
-                interrupt=context.cancel,
-                resumable=header.resumable,
-                resume=header.resume,
-                shard=shard_from_proto(header.model, header),
-            )
+            waiting = None if header.no_wait else self.admission.waiting.try_take()
+            try:  # past the waiting budget, a push short of room is refused at once instead of waiting
+                session = self.store.begin_push(
+                    header.model,
+                    header.handoff_id,
+                    header.position,
+                    header.fingerprint,
+                    wait=_wait_budget(context),
+                    ttl=header.ttl_seconds,
+                    no_wait=waiting is None,
+                    interrupt=context.cancel,
+                    is_active=context.is_active,
+                    resumable=header.resumable,
+                    resume=header.resume,
+                    shard=shard_from_proto(header.model, header),
+                )
+            finally:
+                if waiting is not None:
+                    waiting.give_back()
             try:
                 for message in requests:
                     if isinstance(message, ChunkFrame):
@@ -192,22 +235,46 @@ class HandoffBrokerServicer:
     @_mapped_stream
     def PullHandoff(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         authorize_model(request.model)
-        try:
+        with self.admission.streams.take(request.model):
+            yield from self._pull(request, context)
+
+    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        if not (math.isfinite(request.wait_seconds) and request.wait_seconds >= 0):
+            raise MalformedRequest(f"wait_seconds must be finite and >= 0, got {request.wait_seconds!r}", request.model)
+        wait = _wait_budget(context)
+        if request.wait_seconds:
+            wait = min(wait, request.wait_seconds)
+        progress = _Progress()
+
+        def interrupt() -> None:  # a stream whose end is on its way has nothing left to cut short
+            if not progress.ending:
+                context.cancel()
+
+        waiting = self.admission.waiting.try_take()
+        try:  # past the waiting budget, a pull whose push has not begun is refused at once instead of waiting
             claim = self.store.claim(
                 request.model,
                 request.handoff_id,
-                _wait_budget(context),
+                wait if waiting is not None else 0.0,
                 context.is_active,
-                interrupt=context.cancel,
+                interrupt=interrupt,
                 supersedes=request.supersedes,
                 shard=shard_from_proto(request.model, request),
             )
+        except WaitTimedOut as e:
+            self.metrics.pulls.labels(self._model_label(request.model), "refused").inc()
+            if waiting is None:
+                budget = self.admission.waiting
+                raise BrokerBusy(budget.what, budget.limit, request.model) from e
+            raise
         except HandoffError:
             self.metrics.pulls.labels(self._model_label(request.model), "refused").inc()
             raise
+        finally:
+            if waiting is not None:
+                waiting.give_back()
         started = time.monotonic()
         model = self._model_label(claim.model)
-        progress = _Progress()
         self.metrics.streams.labels("pull").inc()
 
         def ended() -> None:  # however the call ends: a stream broken before its end returns the claim at once
@@ -215,16 +282,20 @@ class HandoffBrokerServicer:
             self.metrics.streams.labels("pull").dec()
             self.metrics.pulls.labels(model, "delivered" if progress.sent_all else "broken").inc()
 
-        context.add_callback(ended)
+        if not context.add_callback(ended):  # the caller is already gone: the claim goes back at once
+            ended()
+            return
         yield _pull_header(claim, request.shard)
         fed = 0
         while True:
             chunks, digest = self.store.feed(claim, fed, _wait_budget(context))
             for chunk in chunks:
                 yield chunk.frame
+                self.store.note_streamed(claim)
             fed += len(chunks)
             if digest is not None:
                 break
+        progress.ending = True
         yield pb.PullResponse(end=pb.PullEnd(digest=digest)).SerializeToString()
         progress.sent_all = True
         elapsed = time.monotonic() - started
@@ -261,7 +332,7 @@ class HandoffBrokerServicer:
             oldest_seconds=stats.oldest_seconds,
             tombstones=stats.tombstones,
             draining=stats.draining,
-            contracts=[contract_to_proto(self.store.contracts[m]) for m in sorted(self.store.contracts)],
+            contracts=[contract_to_proto(self.store.contracts[m]) for m in sorted(self.store.contracts) if may_see(m)],
         )
 
     @_mapped
@@ -278,11 +349,25 @@ class HandoffBrokerServicer:
         return pb.PushProgress(tensors=tensors, complete=committed, position=position)
 
 
+def _watched(requests: Iterator[object], watch: Watch, idle: float) -> Iterator[object]:
+    """The call's messages, its watch armed for `idle` seconds while each is awaited."""
+    while True:
+        watch.arm(idle)
+        try:
+            message = next(requests)
+        except StopIteration:
+            return
+        finally:
+            watch.disarm()
+        yield message
+
+
 class _Progress:
-    __slots__ = ("sent_all",)
+    __slots__ = ("ending", "sent_all")
 
     def __init__(self) -> None:
-        self.sent_all = False
+        self.ending = False  # the stream's end is being sent
+        self.sent_all = False  # ... and was
 
 
 def _pull_header(claim: Claim, shard: pb.Shard) -> bytes:
@@ -302,8 +387,21 @@ def _pull_header(claim: Claim, shard: pb.Shard) -> bytes:
 _CODECS: dict[str, tuple[Callable, Callable]] = {
     # method: (request deserializer, response serializer) where the fast chunk codec replaces the generated one
     "PushHandoff": (decode_push_request, pb.PushResponse.SerializeToString),
-    "PullHandoff": (pb.PullRequest.FromString, identity),
+    "PullHandoff": (None, identity),
 }
+
+
+def _lenient(request_class: type) -> Callable[[bytes], object]:
+    """A deserializer that never raises: a request that does not parse (an id that is not UTF-8, say) becomes
+    Malformed, which the handler answers with INVALID_ARGUMENT — grpcio would end it with a bare INTERNAL."""
+
+    def parse(data: bytes) -> object:
+        try:
+            return request_class.FromString(data)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the sender's
+            return Malformed(f"the request is not a valid {request_class.__name__}: {e}")
+
+    return parse
 
 
 def rpc_handler(servicer: HandoffBrokerServicer) -> grpc.GenericRpcHandler:
@@ -311,7 +409,8 @@ def rpc_handler(servicer: HandoffBrokerServicer) -> grpc.GenericRpcHandler:
     handlers = {}
     for method in SERVICE.methods:
         request_class, response_class = message_classes(method.name)
-        deserialize, serialize = _CODECS.get(method.name, (request_class.FromString, response_class.SerializeToString))
+        deserialize, serialize = _CODECS.get(method.name, (None, response_class.SerializeToString))
+        deserialize = deserialize or _lenient(request_class)
         behaviour = getattr(servicer, method.name)
         kind = {
             (False, False): grpc.unary_unary_rpc_method_handler,

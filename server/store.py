@@ -30,7 +30,9 @@ cancel), always called outside the lock. Every method is thread-safe; a PushSess
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -41,6 +43,7 @@ from typing import Protocol
 from handoff_client._contract import Contract, TensorSpans
 from handoff_client._errors import (
     AlreadyClaimed,
+    CallCancelled,
     CapacityExhausted,
     Draining,
     FingerprintMismatch,
@@ -70,6 +73,8 @@ Interrupt = Callable[[], None]
 MAX_HANDOFF_ID = 256
 MAX_TOMBSTONES = 100_000
 FEED_BATCH = 256
+CHUNK_FLOOR = 4096
+MIN_CHUNK_BUDGET = 8192
 WAIT_SLICE = 0.1  # seconds between re-checks of a waiting caller's liveness
 
 
@@ -103,6 +108,13 @@ class StoreConfig:
     sweep_interval: float = 0.25
     trim_after: float = 30.0  # seconds holding nothing before `on_idle` (the broker returns memory then)
 
+    @property
+    def max_chunks(self) -> int:
+        """The chunks the store holds at most: each costs ~400 bytes beside its data (measured), so 1-byte chunks
+        would hold ~400x what `max_bytes` counts; bounded by an average of CHUNK_FLOOR bytes a chunk, the overhead
+        stays under a tenth of `max_bytes` (and a few MiB for a small store)."""
+        return max(MIN_CHUNK_BUDGET, self.max_bytes // CHUNK_FLOOR)
+
 
 @dataclass(eq=False)
 class _Entry:
@@ -134,6 +146,7 @@ class _Entry:
     spans: list[TensorSpans] = field(default_factory=list)  # the push's checks so far, kept for a resume
     received: list[tuple[int, int, int, int]] = field(default_factory=list)  # digest entries so far
     created: float = 0.0
+    arrival: int = 0  # the order its push's header came in: an older push never replaces a newer one
     committed_at: float = 0.0
     reserved: int = 0  # bytes of `max_bytes` this entry holds (a group's pulling ranks hold theirs in the group)
     group: Group | None = None  # the tensor-parallel hand-off this entry is one rank's part of
@@ -199,7 +212,12 @@ class Store(TensorParallelGroups):
         self._groups: dict[HandoffKey, Group] = {}
         self._tombstones: OrderedDict[HandoffKey, _Tombstone] = OrderedDict()
         self._resident = 0
-        self._pushes_begun = 0  # so the sweeper sees a hand-off that came and went between two of its rounds
+        self._chunks = 0  # chunks pushes have stored, against `max_chunks`
+        self._claim_ids = itertools.count(1)  # claims are numbered once for the store's life, across every id and rank
+        self._pushes_begun = 0
+        self._arrivals = itertools.count(
+            1
+        )  # push headers, in the order they came  # so the sweeper sees a hand-off that came and went between two of its rounds
         self._draining = False
         self._closed = threading.Event()
         self._sweeper: threading.Thread | None = None
@@ -276,6 +294,7 @@ class Store(TensorParallelGroups):
         ttl: float = 0.0,
         no_wait: bool = False,
         interrupt: Interrupt | None = None,
+        is_active: Callable[[], bool] = lambda: True,
         resumable: bool = False,
         resume: bool = False,
         shard: Shard = WHOLE,
@@ -285,10 +304,14 @@ class Store(TensorParallelGroups):
         `no_wait`. With a `shard` of a TP size above 1, one rank's part: its view's size reserved.
 
         A push of an id already held is checked against it byte for byte instead (a blind retry); a push of an id
-        still RECEIVING replaces that push (its stream is presumed dead: the retry came first).
+        still RECEIVING replaces that push (its stream is presumed dead: the retry came first) — unless that push's
+        header came after this one's: an older push, woken late from its wait for room, never replaces its retry.
+        A caller that is gone (`is_active`) while it waits for room takes none.
         """
         whole = self.contract(model)
         _check_id(model, handoff_id)
+        if not (math.isfinite(ttl) and 0.0 <= ttl):
+            raise MalformedRequest(f"ttl_seconds must be a finite number of seconds >= 0, got {ttl!r}", model)
         if fingerprint != whole.fingerprint:
             raise FingerprintMismatch(model, whole.fingerprint, fingerprint)
         filled = whole.at(position)  # (PositionOutOfRange when position >= ctx)
@@ -298,6 +321,7 @@ class Store(TensorParallelGroups):
         if resume:
             return self._resume(contract, key, user_key, position, interrupt)
         deadline = self._clock() + (0.0 if no_wait else wait)
+        arrival = next(self._arrivals)
         interrupts: list[Interrupt] = []
         try:
             with self._lock:
@@ -328,6 +352,9 @@ class Store(TensorParallelGroups):
                                     model, handoff_id)  # fmt: skip
                         interrupts += self._end_group(group, "aborted")
                         continue
+                    if held is not None and held.arrival > arrival:
+                        raise HandoffExists(model, handoff_id, "is being pushed by a newer stream, which this older one "
+                                                               "does not replace")  # fmt: skip
                     if held is not None:  # a push of this id in flight: this one replaces it
                         logger.info("push of %s/%s replaces one still in flight", model, handoff_id)
                         interrupts += self._free(held, "replaced")
@@ -338,6 +365,10 @@ class Store(TensorParallelGroups):
                     remaining = deadline - self._clock()
                     if remaining <= 0 or contract.nbytes > self.config.max_bytes:
                         raise CapacityExhausted(model, contract.nbytes, free, self.config.max_bytes)
+                    if not is_active():
+                        raise CallCancelled(
+                            f"{model}: the push of `{handoff_id}` was abandoned while it waited for room"
+                        )
                     self._changed.wait(min(remaining, WAIT_SLICE))
                 ttl = self.config.ttl if ttl <= 0 else min(ttl, self.config.ttl)
                 entry = _Entry(key, contract, position, ttl, None, threading.Condition(self._lock))
@@ -346,6 +377,7 @@ class Store(TensorParallelGroups):
                 session = _NewPush(self, contract, key, entry)
                 entry.push = session
                 entry.created = entry.push_activity = self._clock()
+                entry.arrival = arrival
                 entry.push_interrupt = interrupt
                 entry.reserved = entry.nbytes
                 if not shard.whole:
@@ -420,6 +452,11 @@ class Store(TensorParallelGroups):
     def _append(self, session: _NewPush, chunk: StoredChunk) -> None:
         with self._lock:
             entry = self._owned(session)  # first: a stream a resume replaced must not mark bytes it will not keep
+            if self._chunks >= self.config.max_chunks:
+                raise CapacityExhausted(
+                    entry.key[0], 1, 0, self.config.max_chunks, what=f"chunks (send chunks of {CHUNK_FLOOR}+ bytes)"
+                )
+            self._chunks += 1
             spans = entry.spans[chunk.index]
             spans.add(chunk.offset, chunk.length)
             entry.received.append((chunk.index, chunk.offset, chunk.length, chunk.crc))
@@ -455,6 +492,9 @@ class Store(TensorParallelGroups):
             ready = []
             if group is not None:
                 group.push_digests[entry.rank] = digest
+                if group.complete:  # visible now: every rank's ttl runs from here, not from its own commit
+                    for part in group.pushed.values():
+                        part.expires_at = entry.expires_at
                 ready = self._whole_at_last(group)
         if ready:
             self._cut_tensors(group, ready)
@@ -564,7 +604,7 @@ class Store(TensorParallelGroups):
         model, handoff_id = key
         first_wait = self._clock() - entry.committed_at if entry.committed and not entry.generation else None
         self.events.claimed(model, first_wait)
-        entry.generation += 1
+        entry.generation = next(self._claim_ids)  # unique for the store's life: a zombie's confirm cannot match
         entry.claimed = entry.streaming = True
         entry.live = not entry.committed
         entry.pull_activity = self._clock()
@@ -592,6 +632,12 @@ class Store(TensorParallelGroups):
                 if waited >= wait:
                     raise WaitTimedOut(claim.model, claim.handoff_id, waited)
                 entry.changed.wait(min(wait - waited, WAIT_SLICE))
+
+    def note_streamed(self, claim: Claim) -> None:
+        """The claim's stream handed one more chunk to its reader: a steady reader, however slow, is not stalled.
+        (One float stored, without the lock: the sweeper reads it under the lock and sees this moment or the one
+        before.)"""
+        claim.entry.pull_activity = self._clock()
 
     def _check_claim(self, claim: Claim) -> None:
         """Under the lock: the claim still holds its hand-off."""
@@ -636,7 +682,7 @@ class Store(TensorParallelGroups):
                     raise StaleClaim(model, handoff_id, generation, "has lapsed; the hand-off went back to the pool")
                 if entry.generation != generation:
                     raise StaleClaim(model, handoff_id, generation, f"is superseded by claim {entry.generation}")
-                self._free(entry, "confirmed")
+                _run_later(self._free(entry, "confirmed"))  # (a stream the decoder stopped reading is ended)
                 if entry.group is None or entry.group.ended == "confirmed":  # a sharded one: when its last rank has
                     self.events.confirmed(model, self._clock() - entry.created)
                 return
@@ -652,6 +698,7 @@ class Store(TensorParallelGroups):
     def cancel(self, model: str, handoff_id: str) -> bool:
         """Free the hand-off in whatever phase it is; its pusher and puller in flight are interrupted."""
         self.contract(model)
+        _check_id(model, handoff_id)
         key = (model, handoff_id)
         with self._lock:
             entry, group = self._entries.get(key), self._groups.get(key)
@@ -696,7 +743,7 @@ class Store(TensorParallelGroups):
                 elif entry.claimed and not entry.streaming and now >= entry.lease_until:
                     logger.info("claim %d on %s/%s lapsed unconfirmed", entry.generation, model, handoff_id)
                     interrupts += self._unclaim(entry)
-                elif entry.committed and not entry.claimed and now >= entry.expires_at:
+                elif entry.committed and not entry.claimed and now >= entry.expires_at and _may_expire(entry):
                     logger.info("hand-off %s/%s expired unclaimed (%d bytes freed)", model, handoff_id, entry.nbytes)
                     interrupts += self._free(entry, "expired")
                     self.events.expired(model)
@@ -745,16 +792,18 @@ class Store(TensorParallelGroups):
         """The entry leaves the store; the streams still on it are returned for interrupting."""
         del self._entries[entry.key]
         self._resident -= entry.reserved
+        self._chunks -= len(entry.received)
         entry.reserved = 0
         entry.ended = how
         if how in ("expired", "cancelled", "confirmed"):
             self._bury(entry.key, how, entry.generation, entry.digest)
         # A pusher still sending is cut off; a pipelined puller waiting in `feed` hears why from there, so only a
-        # cancel also interrupts the puller (which may be blocked on flow control, out of feed's reach).
+        # cancel, or a confirm made before the stream's end was read, also interrupts the puller (which may be
+        # blocked on flow control, out of feed's reach, holding a thread and the chunks it was sending).
         interrupts = (
             [entry.push_interrupt] if entry.push_interrupt and how in ("aborted", "replaced", "cancelled") else []
         )
-        if how == "cancelled" and entry.streaming and entry.pull_interrupt:
+        if how in ("cancelled", "confirmed") and entry.streaming and entry.pull_interrupt:
             interrupts.append(entry.pull_interrupt)
         entry.push_interrupt = entry.pull_interrupt = None
         entry.arrived, entry.ordered, entry.by_tensor = [], [], []
@@ -773,6 +822,14 @@ class Store(TensorParallelGroups):
     def _bury(self, key: HandoffKey, how: str, generation: int, digest: str) -> None:
         self._tombstones.pop(key, None)
         self._tombstones[key] = _Tombstone(how, generation, digest, self._clock() + self.config.tombstone_ttl)
+
+
+def _may_expire(entry: _Entry) -> bool:
+    """Whether an unclaimed entry's ttl runs: a rank's part waits while every rank of its push has begun and one
+    is still pushing (that push's idle timeout and deadline bound the wait); its ttl runs again from the last
+    commit (`_commit`), and meanwhile if a rank never began at all."""
+    group = entry.group
+    return group is None or group.complete or len(group.pushed) < group.push_size
 
 
 def _run_later(interrupts: list[Interrupt]) -> None:

@@ -4,6 +4,7 @@ that drains takes no new work."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -20,6 +21,7 @@ from handoff_client import (
     shard_arrays,
 )
 from handoff_client._fleet import make_ticket, read_ticket, rendezvous
+from support import chunk_frames, header_frame, raw_push
 from test_claims import wait_until
 from test_tensor_parallel import MODELS as TP_MODELS
 
@@ -147,3 +149,28 @@ def test_every_rank_of_a_tensor_parallel_hand_off_meets_at_one_broker(start_brok
             pulled = [decode.pull(contract.model, f"r{i}", shard=(rank, 4)) for rank in range(4)]
             assert_same_bits(join_shards(contract, pulled, 4).state, full)
     assert all(b.store.stats().resident_bytes == 0 for b in brokers)
+
+
+def test_a_pull_without_a_ticket_finds_a_hand_off_that_takes_longer_than_the_probe_to_stream(fleet, contracts):
+    """Defect 9 (issue "Nothing a client sends can wedge the broker"): the fleet's 0.2 s probe was the whole pull's
+    deadline, so a probe that found and claimed a hand-off that takes longer to stream died with DEADLINE_EXCEEDED.
+    The probe now waits 0.2 s for the push to begin (PullRequest.wait_seconds) and streams for the whole timeout."""
+    contract = contracts["demo-hybrid"]
+    tensors = seeded_tensors(contract)
+    holder = rendezvous([b.address for b in fleet], contract.model, "slow")[0]
+    raw_push(holder, [header_frame(contract, "slow"), *chunk_frames(contract, tensors, 1024)], timeout=60)
+    with HandoffClient(target(fleet), timeout=20) as decode:
+        started = time.monotonic()
+        assert_same_bits(decode.pull(contract.model, "slow").state, tensors)
+    print(f"4,233 chunks streamed in {time.monotonic() - started:.2f} s")  # (past the probe's 0.2 s)
+
+
+def test_a_ticket_naming_a_broker_outside_the_set_is_not_followed(fleet, contracts, caplog):
+    """Defect 11: a ticket is unsigned, and `pull(ticket=)` connected to whatever address it named, with the
+    decoder's token and TLS keys. A ticket only chooses among the client's brokers; another is pulled by hashing."""
+    tensors = seeded_tensors(contracts[MODEL])
+    with HandoffClient(target(fleet)) as prefill, HandoffClient(target(fleet), timeout=5) as decode:
+        prefill.push(MODEL, "t", 1, tensors)
+        forged = make_ticket("203.0.113.9:50051", MODEL, "t", contracts[MODEL].fingerprint)  # a host of its choosing
+        assert_same_bits(decode.pull(MODEL, "t", ticket=forged).state, tensors)
+    assert "203.0.113.9:50051, which is not in this client's broker set" in caplog.text

@@ -284,9 +284,10 @@ def test_what_the_client_retries_is_exactly_what_is_safe():
             _errors.DeadlineExceeded,
         ]
     }
-    assert {cls for cls, e in kinds.items() if retryable_push(e)} == {_errors.BrokerUnavailable}
+    assert {cls for cls, e in kinds.items() if retryable_push(e)} == {_errors.BrokerUnavailable, _errors.BrokerBusy}
     assert {cls for cls, e in kinds.items() if retryable_pull(e)} == {
         _errors.BrokerUnavailable,
+        _errors.BrokerBusy,
         _errors.CallCancelled,
         _errors.PushAborted,
     }

@@ -48,7 +48,7 @@ from handoff_client._frames import decode_chunk
 from handoff_client._shards import ShardContract, held_heads, pushes
 from test_claims import wait_until
 from proxy import Proxy
-from support import broker_holds, chunk_frames, header_frame, raises_handoff_error, raw_push
+from support import broker_holds, chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
 
 CONFIGS = Path(__file__).parent / "configs"
 WORKERS = Path(__file__).parent / "workers.py"
@@ -442,6 +442,51 @@ def test_a_rank_whose_connection_breaks_resumes_its_own_part_and_sends_only_the_
         else:
             assert_same_bits(client.pull(contract.model, "req").state, full)
     assert_holds_nothing(tp_broker)
+
+
+def test_a_hand_off_whose_last_rank_pushes_past_the_ttl_lives_its_ttl_from_the_last_commit(start_broker):
+    """Defect 7 (issue "Nothing a client sends can wedge the broker"): each rank's TTL ran from its own commit, so
+    the sweeper expired a hand-off while its last rank was still pushing, and that rank was told ALREADY_EXISTS.
+    While every rank has begun, the committed ranks wait; the TTL runs from the last commit. (A rank that never
+    begins still lets the others expire: test_a_rank_that_never_pushes_lets_the_others_expire_unclaimed.)"""
+    broker = start_broker(contracts=MODELS, ttl=1.0)
+    contract = MODELS["llama-3-8b"]
+    full = seeded_tensors(contract)
+    rank0 = shard_arrays(contract, full, Shard(0, 2), pushing=True)
+    frames = chunk_frames(ShardContract.of(contract, Shard(0, 2), pushing=True), rank0, 4096)
+
+    def slow_rank0():  # begins at once, commits 2 s later: past the ttl
+        yield header_frame(contract, "req", 3, shard=(0, 2))
+        for i, frame in enumerate(frames):
+            if i % max(1, len(frames) // 8) == 0:
+                time.sleep(0.25)
+            yield frame
+
+    with HandoffClient(broker.address, timeout=20) as client:
+        client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(1, 2), pushing=True), shard=(1, 2))
+        raw_push(broker.address, slow_rank0())
+        assert_same_bits(client.pull(contract.model, "req").state, full)
+    assert_holds_nothing(broker)
+
+
+def test_a_hand_off_cut_for_another_tp_size_is_charged_once(start_broker):
+    """Defect 15: a reshard was charged twice against --max-bytes until the last rank confirmed (TP 4 -> 2: 4 MiB
+    resident for a 2 MiB hand-off): the pushed frames the cut had copied and freed stayed reserved."""
+    broker = start_broker(contracts=MODELS)
+    contract = MODELS["llama-3-8b"]
+    full = seeded_tensors(contract)
+    with HandoffClient(broker.address, timeout=20) as client:
+        for rank in range(4):
+            client.push(contract.model, "req", 3, shard_arrays(contract, full, Shard(rank, 4), pushing=True),
+                        shard=(rank, 4))  # fmt: skip
+        assert broker.store.stats().resident_bytes == contract.at(3).nbytes
+        with open_channel(broker.address) as channel:
+            next(iter(raw_pull(channel, contract.model, "req", shard=(0, 2))))  # the claim cuts it for 2 ranks
+            assert broker.store.stats().resident_bytes == contract.at(3).nbytes  # not the pushed copy as well
+        wait_until(lambda: broker.store.stats().claimed == 0)  # the broken stream's claim came back
+        for rank in range(2):
+            client.pull(contract.model, "req", shard=(rank, 2))
+    assert_holds_nothing(broker)
 
 
 def test_a_draining_broker_lets_the_other_ranks_of_a_push_under_way_finish_and_hands_it_over(start_broker):

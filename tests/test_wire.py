@@ -127,6 +127,7 @@ EXAMPLES = [
     _errors.CapacityExhausted("m", 10, 5, 8),
     _errors.PushAborted("m", "r"),
     _errors.MessageTooLarge("m", 10, 8),
+    _errors.BrokerBusy("pulls waiting for their push", 3),
     _errors.Unauthenticated("no bearer token"),
     _errors.PermissionDenied("prefill-pool", "has roles prefill; PullHandoff needs decode"),
     _errors.Draining(),

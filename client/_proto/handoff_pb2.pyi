@@ -37,6 +37,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHARD_LAYOUT: _ClassVar[ErrorReason]
     SHARD_MISMATCH: _ClassVar[ErrorReason]
     NOT_IN_SHARD: _ClassVar[ErrorReason]
+    BROKER_BUSY: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 UNKNOWN_TENSOR: ErrorReason
 MISSING_TENSOR: ErrorReason
@@ -65,6 +66,7 @@ MESSAGE_TOO_LARGE: ErrorReason
 SHARD_LAYOUT: ErrorReason
 SHARD_MISMATCH: ErrorReason
 NOT_IN_SHARD: ErrorReason
+BROKER_BUSY: ErrorReason
 
 class Carried(_message.Message):
     __slots__ = ("name", "layer", "rows", "cols", "dtype", "heads", "head_dim", "rows_are_positions")
@@ -181,16 +183,18 @@ class PushResponse(_message.Message):
     def __init__(self, handoff_id: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., digest: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "handoff_id", "supersedes", "shard")
+    __slots__ = ("model", "handoff_id", "supersedes", "shard", "wait_seconds")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDES_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     supersedes: int
     shard: Shard
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ...) -> None: ...
+    wait_seconds: float
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("model", "handoff_id", "position", "fingerprint", "claim", "bytes", "chunks", "shard")
