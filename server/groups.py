@@ -25,6 +25,7 @@ from handoff_client._errors import HandoffExists, ShardMismatch
 from handoff_client._shards import WHOLE, Shard, ShardContract
 
 from . import reshard
+from .ledger import Ledger, Reservation
 from .pushes import StoredChunk, by_tensor
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class Group:
     building: int = 0  # cuts of tensors under way, outside the lock
     confirmed: set[int] = field(default_factory=set)
     cutting: bool = False
-    reserved: int = 0
+    reservation: Reservation | None = None  # the cut's copies, and the pushed frames its parts reuse
     ended: str | None = None
 
     @property
@@ -89,7 +90,7 @@ class TensorParallelGroups:
     _entries: dict[HandoffKey, _Entry]
     _groups: dict[HandoffKey, Group]
     _tombstones: dict[HandoffKey, _Tombstone]
-    _resident: int
+    _ledger: Ledger
     _clock: Callable[[], float]
     config: StoreConfig
     events: StoreEvents
@@ -137,7 +138,8 @@ class TensorParallelGroups:
     def _adopt(self, entry: _Entry) -> Group:
         """Under the lock: a whole hand-off becomes a group of one pushing rank, for a sharded pull to cut."""
         group = Group(entry.key, entry.contract, entry.position, 1, entry.created, pushed={0: entry},
-                      push_digests={0: entry.digest} if entry.committed else {})  # fmt: skip
+                      push_digests={0: entry.digest} if entry.committed else {},
+                      reservation=self._ledger.reservation())  # fmt: skip
         entry.group = group
         self._groups[entry.key] = group
         return group
@@ -174,10 +176,9 @@ class TensorParallelGroups:
         if group.pull_size or group.cutting or group.complete or len(group.pushed) != group.push_size:
             return False
         extra = self._cut_bytes(group, size)
-        if self._resident + extra > self.config.max_bytes:
+        if not self._ledger.fits(extra):
             return False
-        self._resident += extra
-        group.reserved += extra
+        group.reservation.charge(extra)
         for entry in group.pushed.values():  # from now on a part's chunks are kept by tensor only, for the cut to
             entry.by_tensor = by_tensor(entry.arrived, len(entry.contract.carried))  # free each tensor's as it goes
             entry.arrived, entry.ordered = [], []
@@ -274,9 +275,8 @@ class TensorParallelGroups:
         reused = {id(chunks) for plan in plans for chunks in plan.reuse.values()}
         for entry in list(group.pushed.values()):
             kept = sum(c.nbytes for c, chunks in zip(entry.contract.carried, entry.by_tensor) if id(chunks) in reused)
-            group.reserved += kept
-            self._resident += kept
-            self._free(entry, "cut")
+            self._free(entry, "cut")  # (its reservation released first: the group's charge then fits)
+            group.reservation.charge(kept)
         group.pushed = {}
 
     def _cut(self, group: Group, size: int) -> bool:
@@ -286,11 +286,10 @@ class TensorParallelGroups:
 
         plans = _plans(group, size)
         extra = sum(p.new_bytes for p in plans)
-        if self._resident + extra > self.config.max_bytes:
+        if not self._ledger.fits(extra):
             return False
         group.cutting = True
-        self._resident += extra  # reserved before the copies are made
-        group.reserved += extra
+        group.reservation.charge(extra)  # reserved before the copies are made
         for entry in group.pushed.values():  # the cut owns the chunks (by tensor) and frees each tensor's once built
             entry.arrived, entry.ordered = [], []
         self._lock.release()
@@ -335,8 +334,7 @@ class TensorParallelGroups:
         for entry in [*group.pushed.values(), *group.pulled.values()]:
             if self._entries.get(entry.key) is entry:
                 interrupts += self._free(entry, parts)
-        self._resident -= group.reserved
-        group.reserved = 0
+        group.reservation.release()
         if how in ("expired", "cancelled", "confirmed"):
             self._bury(group.key, how, generation if group.pull_size == 1 else 0, "")
         self._changed.notify_all()

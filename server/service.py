@@ -235,8 +235,15 @@ class HandoffBrokerServicer:
     @_mapped_stream
     def PullHandoff(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         authorize_model(request.model)
-        with self.admission.streams.take(request.model):
+        slot = self.admission.streams.take(request.model)
+        # Given back when the call ends, however: a generator grpcio abandons mid-send is closed only when collected.
+        if not context.add_callback(slot.give_back):
+            slot.give_back()
+            return
+        try:
             yield from self._pull(request, context)
+        finally:
+            slot.give_back()
 
     def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         if not (math.isfinite(request.wait_seconds) and request.wait_seconds >= 0):

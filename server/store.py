@@ -13,11 +13,12 @@ What it guarantees:
   (`commit`). A puller may claim it while it is still RECEIVING and get its chunks as they arrive, but the end of
   its stream, with the digest, comes only after the commit; if the push fails instead, the puller gets PushAborted.
   An aborted push frees its bytes at once and leaves no trace.
-- One claimant at a time; each claim has a new generation, and only the current generation can confirm. A claim
-  whose stream broke returns at once; one whose stream stalls, or that streamed whole but was never confirmed,
-  returns after `lease` seconds.
+- One claimant at a time; each claim has a number unique for the store's life, and only the current claim can
+  confirm. A claim whose stream broke returns at once; one whose stream stops moving, or that streamed whole but
+  was never confirmed, returns after `lease` seconds.
 - Resident bytes (reserved by a push at its header: the contract's size at the header's position, which counts
-  only the rows the position filled of each tensor whose rows are positions) never exceed `max_bytes`.
+  only the rows the position filled of each tensor whose rows are positions) never exceed `max_bytes`, nor the
+  chunks stored `max_chunks`: every charge is a reservation in the ledger (server/ledger.py), which asserts both.
 - A READY hand-off nobody claims expires after its ttl; a push that sends nothing for `idle_timeout` is aborted.
   What is gone leaves a tombstone for `tombstone_ttl`, so late callers hear *expired*, *cancelled* or
   *confirmed* rather than *unknown*, and a push retried after its hand-off was delivered is recognised.
@@ -61,6 +62,7 @@ from handoff_client._errors import (
 from handoff_client._shards import WHOLE, Shard, ShardContract, view
 
 from .groups import Group, TensorParallelGroups, part_key
+from .ledger import Ledger, Reservation
 from .pushes import PushSession, StoredChunk, _NewPush, _RepeatPush, by_tensor
 
 logger = logging.getLogger(__name__)
@@ -148,7 +150,7 @@ class _Entry:
     created: float = 0.0
     arrival: int = 0  # the order its push's header came in: an older push never replaces a newer one
     committed_at: float = 0.0
-    reserved: int = 0  # bytes of `max_bytes` this entry holds (a group's pulling ranks hold theirs in the group)
+    reservation: Reservation | None = None  # what it holds of the ledger (a group's pulling ranks: the group's)
     group: Group | None = None  # the tensor-parallel hand-off this entry is one rank's part of
     rank: int = 0
     cut_part: bool = False  # a pulling rank's part, filled by the cut (no push of its own to time out)
@@ -211,8 +213,7 @@ class Store(TensorParallelGroups):
         self._entries: dict[HandoffKey, _Entry] = {}
         self._groups: dict[HandoffKey, Group] = {}
         self._tombstones: OrderedDict[HandoffKey, _Tombstone] = OrderedDict()
-        self._resident = 0
-        self._chunks = 0  # chunks pushes have stored, against `max_chunks`
+        self._ledger = Ledger(config.max_bytes, config.max_chunks)
         self._claim_ids = itertools.count(1)  # claims are numbered once for the store's life, across every id and rank
         self._pushes_begun = 0
         self._arrivals = itertools.count(
@@ -274,7 +275,7 @@ class Store(TensorParallelGroups):
                 ready=sum(e.committed and not e.claimed for e in entries)
                 + sum(not g.receiving and not c for g, c in zip(groups, claimed)),
                 claimed=sum(e.committed and e.claimed for e in entries) + sum(claimed),
-                resident_bytes=self._resident,
+                resident_bytes=self._ledger.bytes,
                 max_bytes=self.config.max_bytes,
                 tombstones=len(self._tombstones),
                 oldest_seconds=max((self._clock() - e.created for e in self._entries.values()), default=0.0),
@@ -359,7 +360,7 @@ class Store(TensorParallelGroups):
                         logger.info("push of %s/%s replaces one still in flight", model, handoff_id)
                         interrupts += self._free(held, "replaced")
                         continue
-                    free = self.config.max_bytes - self._resident
+                    free = self._ledger.free_bytes
                     if contract.nbytes <= free:
                         break
                     remaining = deadline - self._clock()
@@ -379,16 +380,17 @@ class Store(TensorParallelGroups):
                 entry.created = entry.push_activity = self._clock()
                 entry.arrival = arrival
                 entry.push_interrupt = interrupt
-                entry.reserved = entry.nbytes
+                entry.reservation = self._ledger.reservation()
+                entry.reservation.charge(entry.nbytes)
                 if not shard.whole:
                     if group is None:
-                        group = self._groups[user_key] = Group(user_key, filled, position, shard.size, entry.created)
+                        group = self._groups[user_key] = Group(user_key, filled, position, shard.size, entry.created,
+                                                               reservation=self._ledger.reservation())  # fmt: skip
                     group.pushed[shard.rank] = entry
                     entry.group, entry.rank = group, shard.rank
                 self._entries[key] = entry
                 self._pushes_begun += 1
                 self._tombstones.pop(key, None)
-                self._resident += entry.reserved
                 self._changed.notify_all()  # pullers waiting for this id may claim it now
                 return session
         finally:
@@ -452,11 +454,10 @@ class Store(TensorParallelGroups):
     def _append(self, session: _NewPush, chunk: StoredChunk) -> None:
         with self._lock:
             entry = self._owned(session)  # first: a stream a resume replaced must not mark bytes it will not keep
-            if self._chunks >= self.config.max_chunks:
+            if not entry.reservation.take_chunk():
                 raise CapacityExhausted(
                     entry.key[0], 1, 0, self.config.max_chunks, what=f"chunks (send chunks of {CHUNK_FLOOR}+ bytes)"
                 )
-            self._chunks += 1
             spans = entry.spans[chunk.index]
             spans.add(chunk.offset, chunk.length)
             entry.received.append((chunk.index, chunk.offset, chunk.length, chunk.crc))
@@ -594,7 +595,7 @@ class Store(TensorParallelGroups):
                 if waited >= wait or not is_active() or self._closed.is_set():
                     if short_of_room and group is not None:
                         extra = self._cut_bytes(group, shard.size)
-                        free = self.config.max_bytes - self._resident
+                        free = self._ledger.free_bytes
                         raise CapacityExhausted(model, extra, free, self.config.max_bytes)
                     raise WaitTimedOut(model, handoff_id, waited)
                 self._changed.wait(min(wait - waited, WAIT_SLICE))
@@ -791,9 +792,8 @@ class Store(TensorParallelGroups):
     def _free(self, entry: _Entry, how: str) -> list[Interrupt]:
         """The entry leaves the store; the streams still on it are returned for interrupting."""
         del self._entries[entry.key]
-        self._resident -= entry.reserved
-        self._chunks -= len(entry.received)
-        entry.reserved = 0
+        if entry.reservation is not None:
+            entry.reservation.release()
         entry.ended = how
         if how in ("expired", "cancelled", "confirmed"):
             self._bury(entry.key, how, entry.generation, entry.digest)
