@@ -98,7 +98,7 @@ class TensorParallelGroups:
     def _free(self, entry: _Entry, how: str) -> list[Interrupt]:
         raise NotImplementedError
 
-    def _bury(self, key: HandoffKey, how: str, generation: int, digest: str) -> None:
+    def _bury(self, key: HandoffKey, how: str, generation: int, digest: str, position: int = -1) -> None:
         raise NotImplementedError
 
     def _sharding_checks(self, key: HandoffKey, group: Group | None, shard: Shard, position: int) -> str | None:

@@ -166,6 +166,7 @@ class _Tombstone:
     generation: int
     digest: str
     until: float
+    position: int = -1  # the hand-off's position (-1: not known, as for a cancel of an id never held)
 
 
 @dataclass(frozen=True)
@@ -346,6 +347,10 @@ class Store(TensorParallelGroups):
                     if tomb is not None and tomb.how == "confirmed":
                         if not tomb.digest:  # a tensor-parallel hand-off: its parts' digests went with it
                             raise HandoffGone(model, handoff_id, _gone_words("confirmed"))
+                        if tomb.position not in (-1, position):  # the same bytes at another position differ
+                            raise HandoffExists(
+                                model, handoff_id, f"was delivered at position {tomb.position}, not {position}"
+                            )
                         return _RepeatPush(self, contract, key, delivered_digest=tomb.digest)
                     if held is not None and group is not None and group.feeding:
                         # Its chunks are being cut for decode ranks already: the hand-off starts over, every rank.
@@ -403,13 +408,12 @@ class Store(TensorParallelGroups):
         and checks so far."""
         model, handoff_id = user_key
         with self._lock:
-            if self._draining:
-                raise Draining()
             entry = self._entries.get(key)
-            if entry is None or entry.committed:
+            if entry is None or entry.committed or not entry.resumable:
+                if self._draining:
+                    raise Draining()  # nothing here to finish: push it whole to another broker
                 raise UnknownHandoff(model, handoff_id)  # nothing to resume (gone, or done): push it whole
-            if not entry.resumable:
-                raise UnknownHandoff(model, handoff_id)
+            # (While draining, a kept push is a push in flight: it may finish, and be pulled.)
             if entry.position != position:
                 raise HandoffExists(model, handoff_id, f"was pushed at position {entry.position}, not {position}")
             stale = [entry.push_interrupt] if entry.push is not None and entry.push_interrupt else []
@@ -796,7 +800,7 @@ class Store(TensorParallelGroups):
             entry.reservation.release()
         entry.ended = how
         if how in ("expired", "cancelled", "confirmed"):
-            self._bury(entry.key, how, entry.generation, entry.digest)
+            self._bury(entry.key, how, entry.generation, entry.digest, entry.position)
         # A pusher still sending is cut off; a pipelined puller waiting in `feed` hears why from there, so only a
         # cancel, or a confirm made before the stream's end was read, also interrupts the puller (which may be
         # blocked on flow control, out of feed's reach, holding a thread and the chunks it was sending).
@@ -819,9 +823,10 @@ class Store(TensorParallelGroups):
                     interrupts += self._end_group(group, "confirmed", entry.generation)
         return interrupts
 
-    def _bury(self, key: HandoffKey, how: str, generation: int, digest: str) -> None:
+    def _bury(self, key: HandoffKey, how: str, generation: int, digest: str, position: int = -1) -> None:
         self._tombstones.pop(key, None)
-        self._tombstones[key] = _Tombstone(how, generation, digest, self._clock() + self.config.tombstone_ttl)
+        until = self._clock() + self.config.tombstone_ttl
+        self._tombstones[key] = _Tombstone(how, generation, digest, until, position)
 
 
 def _may_expire(entry: _Entry) -> bool:

@@ -23,6 +23,7 @@ from handoff_client import (
     CapacityExhausted,
     HandoffClient,
     HandoffError,
+    HandoffExists,
     MalformedRequest,
     StaleClaim,
     UnknownTensor,
@@ -382,3 +383,14 @@ def test_a_push_whose_caller_died_waiting_for_room_never_replaces_its_live_retry
             gone.set()
             assert_same_bits(client.pull(DEMO, f"x{attempt}", timeout=5).state, retry)
     assert_holds_nothing(broker)
+
+
+def test_a_repeat_of_a_delivered_hand_off_at_another_position_is_refused(broker, client, contracts):
+    """Suspected in the issue, confirmed: a push repeating a hand-off already delivered was checked against its
+    tombstone's digest only, so the same bytes at another position passed as a harmless repeat."""
+    tensors = seeded_tensors(contracts["every-dtype"])  # no cache rows: the same bytes at any position
+    client.push("every-dtype", "r", 1, tensors)
+    client.pull("every-dtype", "r")
+    assert client.push("every-dtype", "r", 1, tensors).duplicate  # the same push again: recognised
+    error = raises_handoff_error(client.push, "every-dtype", "r", 2, tensors)
+    assert isinstance(error, HandoffExists) and "was delivered at position 1, not 2" in error.message

@@ -349,6 +349,32 @@ def test_a_broken_resumable_push_is_kept_unseen_for_the_resume_window_then_freed
     assert_holds_nothing(broker)
 
 
+def test_a_draining_broker_lets_a_kept_push_resume_finish_and_be_pulled(start_broker, contracts):
+    """Suspected in the robustness issue, confirmed: a broken resumable push is a push in flight, which a draining
+    broker promises may finish; its resume was refused with DRAINING, so the hand-off was lost with the broker."""
+    broker = start_broker()
+    contract = contracts[DEMO]
+    tensors = seeded_tensors(contract, seed=21)
+    header = pb.PushHeader(model=DEMO, handoff_id="r", position=1, fingerprint=contract.fingerprint, resumable=True)
+    frames = [pb.PushRequest(header=header).SerializeToString(), *chunk_frames(contract, tensors, 1 << 20)]
+    with HandoffClient(broker.address) as client, open_channel(broker.address) as channel:
+        gate = threading.Event()
+        push = channel.stream_unary(method_path("PushHandoff"), request_serializer=identity)
+        call = push.future(gated(frames, gate, after=3), timeout=30)
+        wait_until(lambda: broker.store.stats().receiving == 1 and len(client.push_progress(DEMO, "r").tensors) >= 2)
+        call.cancel()  # the prefill's stream breaks: the push is kept for its resume
+        wait_until(lambda: broker.store._entries[(DEMO, "r")].push is None)
+        stopping = threading.Thread(target=broker.stop, kwargs={"grace": 20})
+        stopping.start()
+        wait_until(lambda: broker.store.stats().draining)
+        resume = pb.PushHeader(model=DEMO, handoff_id="r", position=1, fingerprint=contract.fingerprint, resume=True)
+        raw_push(broker.address, [pb.PushRequest(header=resume).SerializeToString(), *frames[1:]])
+        assert_same_bits(client.pull(DEMO, "r").state, tensors)
+        gate.set()
+        stopping.join(20)
+        assert not stopping.is_alive()
+
+
 def test_resuming_a_push_that_is_not_kept_is_refused_so_the_client_pushes_it_whole(client, contracts):
     contract = contracts[DEMO]
     header = pb.PushHeader(model=DEMO, handoff_id="r", position=1, fingerprint=contract.fingerprint, resume=True)
