@@ -26,12 +26,12 @@ from handoff_client._shards import WHOLE, Shard, ShardContract
 
 from . import reshard
 from .ledger import Ledger, Reservation
-from .pushes import StoredChunk, by_tensor
+from .entries import Entry, HandoffKey, Interrupt, StoredChunk, by_tensor, run_interrupts, run_interrupts_later
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .store import HandoffKey, Interrupt, StoreConfig, StoreEvents, _Entry, _Tombstone
+    from .entries import StoreConfig, StoreEvents, Tombstone
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,10 @@ class Group:
     position: int
     push_size: int
     created: float
-    pushed: dict[int, _Entry] = field(default_factory=dict)
+    pushed: dict[int, Entry] = field(default_factory=dict)
     push_digests: dict[int, str] = field(default_factory=dict)  # each rank's, from its commit: a retry is known
     pull_size: int = 0  # fixed by the first pull
-    pulled: dict[int, _Entry] = field(default_factory=dict)
+    pulled: dict[int, Entry] = field(default_factory=dict)
     # Streamed through: each pulling rank claims its pushing rank's own part and streams it as it arrives (`pulled`
     # is then `pushed` itself), because at this TP size every rank pulls exactly what it pushes.
     live: bool = False
@@ -57,7 +57,7 @@ class Group:
     # pushing rank that holds it has all of it; they commit once every pushing rank has (`_finish_cut`).
     feeding: bool = False
     plans: list[reshard.ShardPlan] = field(default_factory=list)
-    holders: dict[str, list[tuple[_Entry, int]]] = field(default_factory=dict)  # per tensor: (pushed part, index)
+    holders: dict[str, list[tuple[Entry, int]]] = field(default_factory=dict)  # per tensor: (pushed part, index)
     built: set[str] = field(default_factory=set)  # tensors cut, or being cut
     building: int = 0  # cuts of tensors under way, outside the lock
     confirmed: set[int] = field(default_factory=set)
@@ -87,15 +87,15 @@ class TensorParallelGroups:
 
     _lock: threading.Lock
     _changed: threading.Condition
-    _entries: dict[HandoffKey, _Entry]
+    _entries: dict[HandoffKey, Entry]
     _groups: dict[HandoffKey, Group]
-    _tombstones: dict[HandoffKey, _Tombstone]
+    _tombstones: dict[HandoffKey, Tombstone]
     _ledger: Ledger
     _clock: Callable[[], float]
     config: StoreConfig
     events: StoreEvents
 
-    def _free(self, entry: _Entry, how: str) -> list[Interrupt]:
+    def _free(self, entry: Entry, how: str) -> list[Interrupt]:
         raise NotImplementedError
 
     def _bury(self, key: HandoffKey, how: str, generation: int, digest: str, position: int = -1) -> None:
@@ -135,7 +135,7 @@ class TensorParallelGroups:
         logger.info("hand-off %s/%s streams through to %d pulling ranks as it is pushed", *group.key, size)
         return True
 
-    def _adopt(self, entry: _Entry) -> Group:
+    def _adopt(self, entry: Entry) -> Group:
         """Under the lock: a whole hand-off becomes a group of one pushing rank, for a sharded pull to cut."""
         group = Group(entry.key, entry.contract, entry.position, 1, entry.created, pushed={0: entry},
                       push_digests={0: entry.digest} if entry.committed else {},
@@ -144,7 +144,7 @@ class TensorParallelGroups:
         self._groups[entry.key] = group
         return group
 
-    def _adopt_as_pushed(self, entry: _Entry, size: int) -> Group | None:
+    def _adopt_as_pushed(self, entry: Entry, size: int) -> Group | None:
         """Under the lock (released while copying): a whole push still under way becomes a group of one pushing rank
         cut for `size` pulling ranks as it arrives; None, and nothing changed, when the cut cannot begin now."""
         group = self._adopt(entry)
@@ -221,12 +221,10 @@ class TensorParallelGroups:
         try:
             built = [reshard.build_tensor(group.plans, name) for name in names]
         except BaseException:
-            from .store import _run  # noqa: PLC0415 - store.py imports this module
-
             with self._lock:
                 group.building -= 1
                 interrupts = self._end_group(group, "aborted") if group.ended is None else []
-            _run(interrupts)
+            run_interrupts(interrupts)
             raise
         with self._lock:
             group.building -= 1
@@ -258,11 +256,9 @@ class TensorParallelGroups:
         group.feeding, group.holders, group.plans = False, {}, []
         self._changed.notify_all()
 
-    def _new_part(self, group: Group, shard: Shard, view: ShardContract, ttl: float) -> _Entry:
+    def _new_part(self, group: Group, shard: Shard, view: ShardContract, ttl: float) -> Entry:
         """Under the lock: a pulling rank's part of the group, filled by the cut, in the store under its own key."""
-        from .store import _Entry  # noqa: PLC0415 - store.py imports this module
-
-        part = _Entry(part_key(group.key, "pull", shard), view, group.position, ttl, None,
+        part = Entry(part_key(group.key, "pull", shard), view, group.position, ttl, None,
                       threading.Condition(self._lock))  # fmt: skip
         part.created, part.group, part.rank, part.cut_part = group.created, group, shard.rank, True
         self._entries[part.key] = part
@@ -282,8 +278,6 @@ class TensorParallelGroups:
     def _cut(self, group: Group, size: int) -> bool:
         """Under the lock (released while copying): cut the group's pushed parts into `size` pulling ranks' parts,
         and free the pushed parts. False, cutting nothing, when the copies would not fit in `max_bytes` now."""
-        from .store import _run_later  # noqa: PLC0415 - store.py imports this module
-
         plans = _plans(group, size)
         extra = sum(p.new_bytes for p in plans)
         if not self._ledger.fits(extra):
@@ -299,7 +293,7 @@ class TensorParallelGroups:
             self._lock.acquire()
             group.cutting = False
             if group.ended is None:  # its pushed parts are partly released: it cannot be cut again
-                _run_later(self._end_group(group, "aborted"))
+                run_interrupts_later(self._end_group(group, "aborted"))
             raise
         self._lock.acquire()
         group.cutting = False

@@ -10,34 +10,25 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from handoff_client._contract import Contract, TensorSpans
 from handoff_client._errors import BadChunk, HandoffExists
 from handoff_client._frames import ChunkFrame, crc32c, handoff_digest
 
+from .entries import StoredChunk
+
 if TYPE_CHECKING:
-    from .store import HandoffKey, Store, _Entry
+    from .entries import Entry, HandoffKey
 
 
-@dataclass(frozen=True)
-class StoredChunk:
-    """A checked chunk, kept as the frame it arrived in so a puller gets those very bytes."""
+class SessionOwner(Protocol):
+    """What a push session reports to: the store (which records each chunk, the commit or the end under its lock)."""
 
-    index: int
-    offset: int
-    length: int
-    crc: int
-    frame: bytes
-    data: memoryview
-
-
-def by_tensor(chunks: list[StoredChunk], tensors: int) -> list[list[StoredChunk]]:
-    """The chunks grouped by their tensor's index, each group in the order given."""
-    grouped: list[list[StoredChunk]] = [[] for _ in range(tensors)]
-    for chunk in chunks:
-        grouped[chunk.index].append(chunk)
-    return grouped
+    def _append(self, session: _NewPush, chunk: StoredChunk) -> None: ...
+    def _suspend(self, session: _NewPush) -> None: ...
+    def _commit(self, session: _NewPush, digest: str) -> None: ...
+    def _abort(self, session: _NewPush) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +44,7 @@ class PushSession:
 
     def __init__(
         self,
-        store: Store,
+        store: SessionOwner,
         contract: Contract,
         key: HandoffKey,
         spans: list[TensorSpans] | None = None,
@@ -113,7 +104,9 @@ class _NewPush(PushSession):
     """A push of an id the broker does not hold: its chunks are kept (and fed to a pipelined puller at once), and
     become a complete hand-off at `finish`."""
 
-    def __init__(self, store: Store, contract: Contract, key: HandoffKey, entry: _Entry, resumed: bool = False) -> None:
+    def __init__(
+        self, store: SessionOwner, contract: Contract, key: HandoffKey, entry: Entry, resumed: bool = False
+    ) -> None:
         # The checks so far live on the entry, so a resumed push's session continues them (made under the store's
         # lock, so what the broken stream delivered is all in `entry.received`).
         held = frozenset(entry.received) if resumed else frozenset()
@@ -141,7 +134,12 @@ class _RepeatPush(PushSession):
     """
 
     def __init__(
-        self, store: Store, contract: Contract, key: HandoffKey, held: _Entry | None = None, delivered_digest: str = ""
+        self,
+        store: SessionOwner,
+        contract: Contract,
+        key: HandoffKey,
+        held: Entry | None = None,
+        delivered_digest: str = "",
     ) -> None:
         super().__init__(store, contract, key)
         # Taken now: if the held hand-off is confirmed meanwhile, these lists stay whole for the comparison.

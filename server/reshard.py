@@ -21,7 +21,7 @@ from handoff_client._contract import Contract
 from handoff_client._frames import decode_chunk, encode_chunk, handoff_digest
 from handoff_client._shards import Shard, ShardContract
 
-from .pushes import StoredChunk
+from .entries import StoredChunk
 
 Pushed = Mapping[int, tuple[ShardContract, list[list[StoredChunk]]]]
 """Per pushing rank: its view of the contract and its chunks, by the view's tensor index, in offset order."""

@@ -38,8 +38,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from handoff_client._contract import Contract, TensorSpans
 from handoff_client._errors import (
@@ -61,138 +59,33 @@ from handoff_client._errors import (
 )
 from handoff_client._shards import WHOLE, Shard, ShardContract, view
 
+from .entries import (
+    CHUNK_FLOOR,
+    FEED_BATCH,
+    MAX_HANDOFF_ID,
+    MAX_TOMBSTONES,
+    WAIT_SLICE,
+    Claim,
+    Entry,
+    HandoffKey,
+    Interrupt,
+    StoreConfig,
+    StoreEvents,
+    StoreStats,
+    StoredChunk,
+    Tombstone,
+    Unobserved,
+    by_tensor,
+    run_interrupts,
+    run_interrupts_later,
+)
 from .groups import Group, TensorParallelGroups, part_key
-from .ledger import Ledger, Reservation
-from .pushes import PushSession, StoredChunk, _NewPush, _RepeatPush, by_tensor
+from .ledger import Ledger
+from .pushes import PushSession, _NewPush, _RepeatPush
+
+__all__ = ["Claim", "HandoffKey", "Store", "StoreConfig", "StoreEvents", "StoreStats"]
 
 logger = logging.getLogger(__name__)
-
-HandoffKey = tuple[str, str]
-"""(model, handoff_id): ids are the router's request ids, unique per model."""
-
-Interrupt = Callable[[], None]
-
-MAX_HANDOFF_ID = 256
-MAX_TOMBSTONES = 100_000
-FEED_BATCH = 256
-CHUNK_FLOOR = 4096
-MIN_CHUNK_BUDGET = 8192
-WAIT_SLICE = 0.1  # seconds between re-checks of a waiting caller's liveness
-
-
-class StoreEvents(Protocol):
-    """What the store reports as it happens (the broker's metrics implement it)."""
-
-    def expired(self, model: str) -> None: ...
-    def lease_returned(self, model: str) -> None: ...
-    def cancelled(self, model: str) -> None: ...
-    def claimed(self, model: str, waited: float | None) -> None: ...
-    def confirmed(self, model: str, since_push: float) -> None: ...
-    def resharded(self, model: str, copied: int) -> None: ...
-
-
-class _Unobserved:
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda *args: None
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """How long things may live and how much the store may hold."""
-
-    max_bytes: int
-    ttl: float = 300.0
-    lease: float = 30.0
-    idle_timeout: float = 30.0
-    resume_window: float = 10.0
-    push_deadline: float = 600.0
-    tombstone_ttl: float = 600.0
-    sweep_interval: float = 0.25
-    trim_after: float = 30.0  # seconds holding nothing before `on_idle` (the broker returns memory then)
-
-    @property
-    def max_chunks(self) -> int:
-        """The chunks the store holds at most: each costs ~400 bytes beside its data (measured), so 1-byte chunks
-        would hold ~400x what `max_bytes` counts; bounded by an average of CHUNK_FLOOR bytes a chunk, the overhead
-        stays under a tenth of `max_bytes` (and a few MiB for a small store)."""
-        return max(MIN_CHUNK_BUDGET, self.max_bytes // CHUNK_FLOOR)
-
-
-@dataclass(eq=False)
-class _Entry:
-    key: HandoffKey
-    contract: Contract
-    position: int
-    ttl: float
-    push: object | None  # the PushSession that owns the entry until its commit
-    changed: threading.Condition  # chunks arrived, or the push committed or ended (for pipelined pullers)
-    arrived: list[StoredChunk] = field(default_factory=list)  # in arrival order, grown by the push
-    ordered: list[StoredChunk] = field(default_factory=list)  # contract order, from the commit
-    by_tensor: list[list[StoredChunk]] = field(default_factory=list)
-    starts: list[list[int]] = field(default_factory=list)  # per tensor, sorted chunk offsets (for byte compares)
-    committed: bool = False
-    digest: str = ""
-    expires_at: float = float("inf")
-    generation: int = 0
-    claimed: bool = False
-    streaming: bool = False
-    live: bool = False  # the current claim was made before the commit
-    lease_until: float = 0.0
-    push_activity: float = 0.0
-    pull_activity: float = 0.0
-    push_interrupt: Interrupt | None = None
-    pull_interrupt: Interrupt | None = None
-    ended: str | None = None  # why it left the store: aborted, replaced, expired, cancelled, confirmed
-    resumable: bool = False
-    suspended_until: float | None = None  # a broken resumable push, kept unseen until then
-    spans: list[TensorSpans] = field(default_factory=list)  # the push's checks so far, kept for a resume
-    received: list[tuple[int, int, int, int]] = field(default_factory=list)  # digest entries so far
-    created: float = 0.0
-    arrival: int = 0  # the order its push's header came in: an older push never replaces a newer one
-    committed_at: float = 0.0
-    reservation: Reservation | None = None  # what it holds of the ledger (a group's pulling ranks: the group's)
-    group: Group | None = None  # the tensor-parallel hand-off this entry is one rank's part of
-    rank: int = 0
-    cut_part: bool = False  # a pulling rank's part, filled by the cut (no push of its own to time out)
-
-    @property
-    def nbytes(self) -> int:
-        return self.contract.nbytes
-
-
-@dataclass(frozen=True)
-class _Tombstone:
-    how: str  # expired, cancelled or confirmed
-    generation: int
-    digest: str
-    until: float
-    position: int = -1  # the hand-off's position (-1: not known, as for a cancel of an id never held)
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A decode worker's hold on a hand-off: the generation that may confirm it, and where its chunks come from."""
-
-    model: str
-    handoff_id: str
-    generation: int
-    position: int
-    fingerprint: str
-    nbytes: int
-    chunks: int  # known when claimed after the commit; 0 for a pipelined claim
-    entry: _Entry = field(repr=False, compare=False)
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    receiving: int
-    ready: int
-    claimed: int
-    resident_bytes: int
-    max_bytes: int
-    tombstones: int
-    oldest_seconds: float = 0.0
-    draining: bool = False
 
 
 class Store(TensorParallelGroups):
@@ -207,13 +100,13 @@ class Store(TensorParallelGroups):
     ) -> None:
         self.contracts = dict(contracts)
         self.config = config
-        self.events: StoreEvents = events or _Unobserved()
+        self.events: StoreEvents = events or Unobserved()
         self._clock = clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # an entry appeared, was released or freed; bytes freed
-        self._entries: dict[HandoffKey, _Entry] = {}
+        self._entries: dict[HandoffKey, Entry] = {}
         self._groups: dict[HandoffKey, Group] = {}
-        self._tombstones: OrderedDict[HandoffKey, _Tombstone] = OrderedDict()
+        self._tombstones: OrderedDict[HandoffKey, Tombstone] = OrderedDict()
         self._ledger = Ledger(config.max_bytes, config.max_chunks)
         self._claim_ids = itertools.count(1)  # claims are numbered once for the store's life, across every id and rank
         self._pushes_begun = 0
@@ -377,7 +270,7 @@ class Store(TensorParallelGroups):
                         )
                     self._changed.wait(min(remaining, WAIT_SLICE))
                 ttl = self.config.ttl if ttl <= 0 else min(ttl, self.config.ttl)
-                entry = _Entry(key, contract, position, ttl, None, threading.Condition(self._lock))
+                entry = Entry(key, contract, position, ttl, None, threading.Condition(self._lock))
                 entry.spans = [TensorSpans(model, c) for c in contract.carried]
                 entry.resumable = resumable
                 session = _NewPush(self, contract, key, entry)
@@ -399,7 +292,7 @@ class Store(TensorParallelGroups):
                 self._changed.notify_all()  # pullers waiting for this id may claim it now
                 return session
         finally:
-            _run(interrupts)
+            run_interrupts(interrupts)
 
     def _resume(
         self, contract: Contract, key: HandoffKey, user_key: HandoffKey, position: int, interrupt: Interrupt | None
@@ -424,7 +317,7 @@ class Store(TensorParallelGroups):
             entry.push_interrupt = interrupt
             entry.suspended_until = None
             entry.push_activity = self._clock()
-        _run(stale)
+        run_interrupts(stale)
         logger.info("push of %s/%s resumed with %d bytes held", model, handoff_id, sum(x.received for x in entry.spans))
         return session
 
@@ -511,7 +404,7 @@ class Store(TensorParallelGroups):
                 entry.push_interrupt = None  # the push's own handler is failing it: its call ends with its own status
                 self._free(entry, "aborted")
 
-    def _owned(self, session: _NewPush) -> _Entry:
+    def _owned(self, session: _NewPush) -> Entry:
         """Under the lock: the session's entry, if it is still its own (not cancelled, not replaced by a retry)."""
         entry = self._entries.get(session.key)
         if entry is None or entry.push is not session:
@@ -585,7 +478,7 @@ class Store(TensorParallelGroups):
                     raise Draining()  # not here, and never will be: ask another broker
                 if entry is not None and entry.claimed and supersedes and entry.generation == supersedes:
                     logger.info("claim %d on %s/%s superseded by its own retry", supersedes, model, handoff_id)
-                    _run_later(self._unclaim(entry))
+                    run_interrupts_later(self._unclaim(entry))
                 if entry is not None and not entry.claimed:
                     return self._grant(entry, key, interrupt)
                 if entry is not None:
@@ -604,7 +497,7 @@ class Store(TensorParallelGroups):
                     raise WaitTimedOut(model, handoff_id, waited)
                 self._changed.wait(min(wait - waited, WAIT_SLICE))
 
-    def _grant(self, entry: _Entry, key: HandoffKey, interrupt: Interrupt | None) -> Claim:
+    def _grant(self, entry: Entry, key: HandoffKey, interrupt: Interrupt | None) -> Claim:
         """Under the lock: the claim on an unclaimed entry (a whole hand-off, or one pulling rank's part)."""
         model, handoff_id = key
         first_wait = self._clock() - entry.committed_at if entry.committed and not entry.generation else None
@@ -687,7 +580,7 @@ class Store(TensorParallelGroups):
                     raise StaleClaim(model, handoff_id, generation, "has lapsed; the hand-off went back to the pool")
                 if entry.generation != generation:
                     raise StaleClaim(model, handoff_id, generation, f"is superseded by claim {entry.generation}")
-                _run_later(self._free(entry, "confirmed"))  # (a stream the decoder stopped reading is ended)
+                run_interrupts_later(self._free(entry, "confirmed"))  # (a stream the decoder stopped reading is ended)
                 if entry.group is None or entry.group.ended == "confirmed":  # a sharded one: when its last rank has
                     self.events.confirmed(model, self._clock() - entry.created)
                 return
@@ -715,7 +608,7 @@ class Store(TensorParallelGroups):
             if entry is not None and self._entries.get(key) is entry:
                 interrupts += self._free(entry, "cancelled")
             self.events.cancelled(model)
-        _run(interrupts)
+        run_interrupts(interrupts)
         return True
 
     # -- housekeeping -------------------------------------------------------------------------------------------------
@@ -757,7 +650,7 @@ class Store(TensorParallelGroups):
                 if tomb.until > now and len(self._tombstones) <= MAX_TOMBSTONES:
                     break
                 del self._tombstones[key]
-        _run(interrupts)
+        run_interrupts(interrupts)
 
     def _sweep_forever(self) -> None:
         empty_since: float | None = None  # when the store was last seen holding nothing, with no push since
@@ -781,7 +674,7 @@ class Store(TensorParallelGroups):
 
     # -- under the lock -----------------------------------------------------------------------------------------------
 
-    def _unclaim(self, entry: _Entry) -> list[Interrupt]:
+    def _unclaim(self, entry: Entry) -> list[Interrupt]:
         """The claim ends without a confirm: the hand-off is free for the next puller."""
         interrupts = [entry.pull_interrupt] if entry.streaming and entry.pull_interrupt else []
         self.events.lease_returned(entry.key[0])
@@ -793,7 +686,7 @@ class Store(TensorParallelGroups):
         self._changed.notify_all()
         return interrupts
 
-    def _free(self, entry: _Entry, how: str) -> list[Interrupt]:
+    def _free(self, entry: Entry, how: str) -> list[Interrupt]:
         """The entry leaves the store; the streams still on it are returned for interrupting."""
         del self._entries[entry.key]
         if entry.reservation is not None:
@@ -826,29 +719,15 @@ class Store(TensorParallelGroups):
     def _bury(self, key: HandoffKey, how: str, generation: int, digest: str, position: int = -1) -> None:
         self._tombstones.pop(key, None)
         until = self._clock() + self.config.tombstone_ttl
-        self._tombstones[key] = _Tombstone(how, generation, digest, until, position)
+        self._tombstones[key] = Tombstone(how, generation, digest, until, position)
 
 
-def _may_expire(entry: _Entry) -> bool:
+def _may_expire(entry: Entry) -> bool:
     """Whether an unclaimed entry's ttl runs: a rank's part waits while every rank of its push has begun and one
     is still pushing (that push's idle timeout and deadline bound the wait); its ttl runs again from the last
     commit (`_commit`), and meanwhile if a rank never began at all."""
     group = entry.group
     return group is None or group.complete or len(group.pushed) < group.push_size
-
-
-def _run_later(interrupts: list[Interrupt]) -> None:
-    """Interrupts due while the lock is held: run them on their own thread rather than wait for the lock's release."""
-    if interrupts:
-        threading.Thread(target=_run, args=(interrupts,), name="handoff-interrupt", daemon=True).start()
-
-
-def _run(interrupts: list[Interrupt]) -> None:
-    for interrupt in interrupts:
-        try:
-            interrupt()
-        except Exception:  # an interrupt of a call that already ended: nothing to do
-            logger.debug("interrupt failed", exc_info=True)
 
 
 def _gone_words(how: str) -> str:

@@ -1,0 +1,45 @@
+"""The code's shape, as the robustness issue required: the broker's modules import one another without a cycle
+(lazy imports inside functions count; imports only for type checkers do not)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SERVER = Path(__file__).resolve().parent.parent / "server"
+
+
+def _imports(path: Path) -> set[str]:
+    """The server modules `path` imports at run time (`from .x import ...`, anywhere but under TYPE_CHECKING)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(alias.name for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def test_the_broker_modules_import_one_another_without_a_cycle():
+    graph = {p.stem: _imports(p) & {q.stem for q in SERVER.glob("*.py")} for p in SERVER.glob("*.py")}
+    state: dict[str, str] = {}
+
+    def walk(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for imported in sorted(graph[module]):
+            assert state.get(imported) != "open", "import cycle: " + " -> ".join([*path, imported])
+            if imported not in state:
+                walk(imported, [*path, imported])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
