@@ -160,11 +160,10 @@ class Contract:
         """Whether `handoff` is this contract's: every carried tensor, as declared, nothing else, a next row."""
         for name in sorted(handoff.state):
             self.index(name)
+        if missing := [c.name for c in self.carried if c.name not in handoff.state]:
+            raise MissingTensor(self.model, *missing)
         for carried in self.carried:
-            array = handoff.state.get(carried.name)
-            if array is None:
-                raise MissingTensor(self.model, carried.name)
-            check_array(self.model, carried, array)
+            check_array(self.model, carried, handoff.state[carried.name])
         self.check_position(handoff.position)
 
     def take(self, position: int, tensors: Mapping[str, np.ndarray]) -> Handoff:
@@ -172,11 +171,9 @@ class Contract:
 
         Tensors the contract does not carry are left behind, as the design card's `take` does.
         """
-        state = {}
-        for carried in self.carried:
-            if carried.name not in tensors:
-                raise MissingTensor(self.model, carried.name)
-            state[carried.name] = tensors[carried.name]
+        if missing := [c.name for c in self.carried if c.name not in tensors]:
+            raise MissingTensor(self.model, *missing)
+        state = {c.name: tensors[c.name] for c in self.carried}
         handoff = Handoff(position, state)
         self.check(handoff)
         return handoff

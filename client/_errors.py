@@ -3,7 +3,7 @@
     HandoffError                      base: every error carries its gRPC status code, its reason and its fields
     ├── ContractViolation             the hand-off does not meet its contract            INVALID_ARGUMENT
     │   ├── UnknownTensor             a tensor the contract does not carry (seed: Unknown)
-    │   ├── MissingTensor             a carried tensor left out (seed: Missing)
+    │   ├── MissingTensor             carried tensors left out, each named (seed: Missing)
     │   ├── WrongLength               a carried tensor of the wrong size (seed: Length)
     │   ├── WrongLayout               right size, wrong shape or dtype (refused, never cast)
     │   ├── BadChunk                  past its tensor's end, overlapping, or failing its checksum
@@ -128,8 +128,17 @@ class MissingTensor(ContractViolation):
 
     reason = "MISSING_TENSOR"
 
-    def __init__(self, model: str, tensor: str) -> None:
-        super().__init__(f"{model}: the hand-off leaves out the carried `{tensor}`", model=model, tensor=tensor)
+    def __init__(self, model: str, tensor: str, *others: str) -> None:
+        more = ""
+        if others:
+            shown = ", ".join(f"`{name}`" for name in others[:4])
+            more = f" and {len(others)} more ({shown}{', ...' if len(others) > 4 else ''})"
+        super().__init__(
+            f"{model}: the hand-off leaves out the carried `{tensor}`{more}",
+            model=model,
+            tensor=tensor,
+            missing=1 + len(others),
+        )
 
 
 class WrongLength(ContractViolation):

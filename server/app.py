@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -42,12 +43,27 @@ DEFAULT_WORKERS = 256
 """Threads serving calls: each open stream, and each pull waiting for its push, holds one."""
 
 
-def default_max_bytes() -> int:
-    """Half the machine's physical memory: room for the hand-offs and for the Python heap around them."""
+def default_max_bytes(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """Half the memory the broker may use: the machine's physical memory, or its container's limit (cgroup v2's
+    memory.max, v1's memory.limit_in_bytes) when that is lower — so `docker run -m 2g` holds 1 GiB of hand-offs,
+    not half the host's RAM. The other half is room for the Python heap and gRPC's buffers around them."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 4 << 30
+        physical = 8 << 30
+    return min(physical, container_memory_limit(cgroup_root) or physical) // 2
+
+
+def container_memory_limit(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The cgroup's memory limit in bytes (v2, then v1); None where there is none or it cannot be read."""
+    for file in (cgroup_root / "memory.max", cgroup_root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = file.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # v1 says "no limit" with a number near 2**63; v2 with "max"
+            return int(text)
+    return None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -17,14 +18,28 @@ from handoff_client._contract import Contract, ManifestError
 logger = logging.getLogger("handoff_broker")
 
 
+BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,  # binary
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,  # binary, as docker -m and kubectl's Gi mean
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,  # decimal
+}  # fmt: skip
+SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
 def _parse_bytes(text: str) -> int:
-    """A byte count: 1073741824, 1GiB, 512MiB, 64KiB."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "b": 1}
-    lowered = text.strip().lower()
-    for suffix, factor in units.items():
-        if lowered.endswith(suffix):
-            return int(float(lowered[: -len(suffix)]) * factor)
-    return int(lowered)
+    """A positive byte count: 1073741824, 1GiB, 512MiB, 64KiB, 16G (binary), 16GB (decimal); any case."""
+    match = SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if unit not in BYTE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"`{text}` is not a size: a number and one of B, KiB, MiB, GiB, TiB (or K, M, G, T: the same, binary) "
+            "or KB, MB, GB, TB (decimal), in any case"
+        )
+    value = int(float(match.group(1)) * BYTE_UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"`{text}` is not a size above 0")
+    return value
 
 
 SERVE_HELP = """Run the broker until SIGTERM or SIGINT, then drain for up to --grace seconds: new pushes, and pulls of
@@ -317,7 +332,13 @@ ENV_PREFIX = "HANDOFF_"
 
 
 class _EnvDefaults(argparse.ArgumentParser):
-    """Every `--some-flag` of `serve` may also come from `HANDOFF_SOME_FLAG`; the command line wins."""
+    """Every `--some-flag` of `serve` may also come from `HANDOFF_SOME_FLAG`; the command line wins. A value that
+    is not valid is one line naming the variable, when that command runs (never a traceback, nor an error in
+    another command, such as the `health` a container's HEALTHCHECK runs)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.env_errors: list[str] = []
 
     def add_argument(self, *names: str, **kwargs: object) -> argparse.Action:
         flag = next((n for n in names if n.startswith("--")), None)
@@ -325,7 +346,11 @@ class _EnvDefaults(argparse.ArgumentParser):
             variable = ENV_PREFIX + flag[2:].replace("-", "_").upper()
             if variable in os.environ:
                 kind = kwargs.get("type", str)
-                kwargs["default"] = kind(os.environ[variable])  # type: ignore[operator]
+                try:
+                    kwargs["default"] = kind(os.environ[variable])  # type: ignore[operator]
+                except (ValueError, argparse.ArgumentTypeError) as e:  # said if this command runs, not otherwise
+                    self.env_errors.append(f"{variable}={os.environ[variable]!r} is not a valid {flag}: {e}")
+                    self.set_defaults(env_errors=self.env_errors)
             kwargs["help"] = f"{kwargs.get('help', '')} [env {variable}]"
         return super().add_argument(*names, **kwargs)
 
@@ -433,6 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection_flags(health)
     health.add_argument("--timeout", type=float, default=3.0)
     health.set_defaults(run=_health)
+    for command in commands.choices.values():  # the log flags may come after the command too
+        command.add_argument("--log-level", default=argparse.SUPPRESS, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                             help="as before the command")  # fmt: skip
+        command.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
+                             help="as before the command")  # fmt: skip
     return parser
 
 
@@ -479,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     _apply_config_file(parser, argv)
     args = parser.parse_args(argv)
+    if getattr(args, "env_errors", None):
+        parser.error("; ".join(args.env_errors))
     handler = logging.StreamHandler()
     if args.log_format == "json":
         handler.setFormatter(JsonFormatter())

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from handoff_client._contract import Contract, TensorSpans
-from handoff_client._errors import BadChunk, HandoffExists
+from handoff_client._errors import BadChunk, HandoffExists, MissingTensor
 from handoff_client._frames import ChunkFrame, crc32c, handoff_digest
 
 from .entries import StoredChunk
@@ -82,6 +82,8 @@ class PushSession:
 
     def finish(self) -> PushOutcome:
         """The stream closed cleanly: every tensor whole, then the hand-off committed (or matched)."""
+        if missing := [spans.carried.name for spans in self._spans if not spans.complete and not spans.received]:
+            raise MissingTensor(self.contract.model, *missing)  # every one named, not only the first
         for spans in self._spans:
             spans.check_complete()
         return self._finish(handoff_digest(self._received))

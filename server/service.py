@@ -16,12 +16,14 @@ import grpc
 from grpc_status import rpc_status
 
 from handoff_client._errors import (
+    MAX_FIELD_CHARS,
     BrokerBusy,
     HandoffError,
     InternalError,
     MalformedRequest,
     MessageTooLarge,
     WaitTimedOut,
+    bounded,
     to_status,
 )
 from handoff_client._frames import ChunkFrame
@@ -213,6 +215,9 @@ class HandoffBrokerServicer:
             outcome = "duplicate" if result.duplicate else "committed"
         except grpc.RpcError:
             outcome = "broken"
+            raise
+        except HandoffError as e:  # every refusal of a push names its hand-off, as the .proto promises
+            e.fields.setdefault("handoff_id", bounded(header.handoff_id, MAX_FIELD_CHARS))
             raise
         finally:
             self.metrics.streams.labels("push").dec()

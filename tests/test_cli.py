@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import MANIFESTS, assert_same_bits, seeded_tensors
 from handoff_client import HandoffClient
 
@@ -169,3 +171,58 @@ print("ok", sorted(m for m in sys.modules if m.split(".")[0] in {{"handoff_broke
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=os.environ)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok []"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1073741824", 1 << 30), ("16GiB", 16 << 30), ("16gib", 16 << 30), ("16G", 16 << 30), ("16g", 16 << 30),
+     ("16GB", 16 * 10**9), ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("64 KiB", 64 << 10)],
+)  # fmt: skip
+def test_sizes_take_the_common_spellings_binary_and_decimal(text, value):
+    from handoff_broker.cli import _parse_bytes
+
+    assert _parse_bytes(text) == value
+
+
+def test_a_size_that_is_not_one_says_which_units_exist():
+    done = subprocess.run([sys.executable, "-m", "handoff_broker", "serve", "--max-bytes", "16 gigs"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "KiB, MiB, GiB, TiB" in done.stderr and "KB, MB, GB, TB (decimal)" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "handoff_broker", "serve", "--max-bytes", "0"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "not a size above 0" in done.stderr
+
+
+def test_the_default_max_bytes_is_half_the_containers_memory_limit_when_it_is_lower(tmp_path):
+    """`docker run -m 2g`: cgroup v2's memory.max (or v1's memory.limit_in_bytes), not half the host's RAM."""
+    from handoff_broker.app import default_max_bytes
+
+    (tmp_path / "memory.max").write_text("2147483648\n")
+    assert default_max_bytes(tmp_path) == 1 << 30
+    (tmp_path / "memory.max").write_text("max\n")  # no limit: half the machine's memory
+    host = default_max_bytes(tmp_path)
+    assert host > 1 << 30 or host == default_max_bytes(tmp_path / "absent")
+    (tmp_path / "memory.max").unlink()
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("1073741824\n")  # cgroup v1
+    assert default_max_bytes(tmp_path) == 1 << 29
+
+
+def test_a_bad_value_in_the_environment_is_one_line_naming_it_and_other_commands_run():
+    env = {**os.environ, "HANDOFF_MAX_BYTES": "16gigs"}
+    done = subprocess.run([sys.executable, "-m", "handoff_broker", "serve"], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "HANDOFF_MAX_BYTES='16gigs' is not a valid --max-bytes" in done.stderr
+    health = subprocess.run([sys.executable, "-m", "handoff_broker", "health", "--target", "127.0.0.1:1",
+                             "--timeout", "1"], env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "HANDOFF_MAX_BYTES" not in health.stderr and "UNAVAILABLE" in health.stdout + health.stderr
+
+
+def test_the_log_flags_may_come_after_the_command():
+    done = subprocess.run([sys.executable, "-m", "handoff_broker", "contract-from-config", "--help", "--log-format",
+                           "json"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0
+    done = subprocess.run([sys.executable, "-m", "handoff_broker", "check-contracts", str(MANIFESTS), "--log-format",
+                           "json", "--log-level", "INFO"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr

@@ -33,6 +33,7 @@ def test_the_readme_documents_every_serve_flag():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {option for action in serve._actions for option in action.option_strings if option.startswith("--")}
     documented = set(re.findall(r"^\| `(--[a-z-]+)", README, re.MULTILINE))
+    documented |= set(re.findall(r"^\| `--[a-z-]+`, `(--[a-z-]+)", README, re.MULTILINE))
     assert flags - {"--help"} == documented
 
 

@@ -128,6 +128,36 @@ def test_a_push_that_ends_without_a_carried_tensor_is_refused_by_name(broker, co
     assert error.message == "every-dtype: the hand-off leaves out the carried `layers.4.state_float8_e4m3fn`"
 
 
+def test_a_push_that_leaves_out_several_tensors_is_refused_naming_each(broker, contract):
+    """Issue "What an outside implementer meets first": MISSING_TENSOR named only the first tensor left out."""
+    gone = ["layers.1.state_float32", "layers.4.state_float8_e4m3fn", "layers.8.state_uint8"]
+    tensors = {k: v for k, v in seeded_tensors(contract).items() if k not in gone}
+    error = push_error(broker, [header_frame(contract, "r"), *chunk_frames(contract, tensors, 100)])
+    assert isinstance(error, MissingTensor) and error.tensor == gone[0] and error.fields["missing"] == "3"
+    assert error.message == (
+        "every-dtype: the hand-off leaves out the carried `layers.1.state_float32` and 2 more "
+        "(`layers.4.state_float8_e4m3fn`, `layers.8.state_uint8`)"
+    )
+    assert str(raises_handoff_error(contract.take, 1, tensors)) == error.message  # the client's own check, the same
+
+
+def test_every_refusal_of_a_push_names_its_hand_off_in_the_metadata(broker, contract, good_frames):
+    """Issue "What an outside implementer meets first": push refusals left `handoff_id` out of the error metadata."""
+    bad_crc = bytearray(good_frames[1])
+    bad_crc[-1] ^= 0xFF
+    refused = [
+        [header_frame(contract, "r", fingerprint="0" * 64), *good_frames[1:]],  # FINGERPRINT_MISMATCH
+        [header_frame(contract, "r", position=contract.ctx), *good_frames[1:]],  # POSITION_OUT_OF_RANGE
+        [header_frame(contract, "r"), encode_chunk("nope", 0, b"x")],  # UNKNOWN_TENSOR
+        [header_frame(contract, "r"), bytes(bad_crc)],  # BAD_CHUNK
+        [header_frame(contract, "r")],  # MISSING_TENSOR
+    ]
+    for frames in refused:
+        error = push_error(broker, frames)
+        assert error.handoff_id == "r", (type(error).__name__, error.fields)
+    assert_holds_nothing(broker)
+
+
 def test_a_push_that_ends_with_a_tensor_short_is_refused_with_both_sizes(broker, contract):
     tensors = without(seeded_tensors(contract), "layers.8.state_uint8")
     frames = [header_frame(contract, "r"), *chunk_frames(contract, tensors, 100)]
