@@ -241,6 +241,7 @@ def test_a_push_that_sends_nothing_is_aborted_after_the_idle_timeout(start_broke
     thread.join(10)
     gate.set()
     assert isinstance(outcome["error"], CallCancelled)
+    wait_until(lambda: broker.store.stats().receiving == 0)  # (the call may be ended a moment before its entry)
     assert_holds_nothing(broker)
 
 
