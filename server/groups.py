@@ -25,8 +25,8 @@ from handoff_client._errors import HandoffExists, ShardMismatch
 from handoff_client._shards import WHOLE, Shard, ShardContract
 
 from . import reshard
-from .ledger import Ledger, Reservation
 from .entries import Entry, HandoffKey, Interrupt, StoredChunk, by_tensor, run_interrupts, run_interrupts_later
+from .ledger import Ledger, Reservation
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -109,10 +109,8 @@ class Store(TensorParallelGroups):
         self._tombstones: OrderedDict[HandoffKey, Tombstone] = OrderedDict()
         self._ledger = Ledger(config.max_bytes, config.max_chunks)
         self._claim_ids = itertools.count(1)  # claims are numbered once for the store's life, across every id and rank
-        self._pushes_begun = 0
-        self._arrivals = itertools.count(
-            1
-        )  # push headers, in the order they came  # so the sweeper sees a hand-off that came and went between two of its rounds
+        self._pushes_begun = 0  # so the sweeper sees a hand-off that came and went between two of its rounds
+        self._arrivals = itertools.count(1)  # push headers, in the order they came
         self._draining = False
         self._closed = threading.Event()
         self._sweeper: threading.Thread | None = None

@@ -326,19 +326,26 @@ def test_a_resumable_push_whose_connection_breaks_sends_only_the_rest(broker, co
         proxy.close()
 
 
+def break_a_resumable_push(broker, client, channel, contract, tensors, gate, after: int) -> list[bytes]:
+    """A resumable push of `r` whose stream breaks after `after` frames (the rest held back by `gate`), once the
+    broker holds two tensors of it: the broker keeps it for its resume. Its frames, header first."""
+    header = pb.PushHeader(model=DEMO, handoff_id="r", position=1, fingerprint=contract.fingerprint, resumable=True)
+    frames = [pb.PushRequest(header=header).SerializeToString(), *chunk_frames(contract, tensors, 1 << 20)]
+    push = channel.stream_unary(method_path("PushHandoff"), request_serializer=identity)
+    call = push.future(gated(frames, gate, after=after), timeout=30)
+    wait_until(lambda: broker.store.stats().receiving == 1 and len(client.push_progress(DEMO, "r").tensors) >= 2)
+    call.cancel()  # the prefill's stream breaks
+    wait_until(lambda: broker.store.stats().receiving == 1 and broker.store._entries[(DEMO, "r")].push is None)
+    return frames
+
+
 def test_a_broken_resumable_push_is_kept_unseen_for_the_resume_window_then_freed(start_broker, contracts):
     broker = start_broker(resume_window=0.6)
     contract = contracts[DEMO]
     tensors = seeded_tensors(contract, seed=13)
-    header = pb.PushHeader(model=DEMO, handoff_id="r", position=1, fingerprint=contract.fingerprint, resumable=True)
-    frames = [pb.PushRequest(header=header).SerializeToString(), *chunk_frames(contract, tensors, 1 << 20)]
     with HandoffClient(broker.address) as client, open_channel(broker.address) as channel:
         gate = threading.Event()
-        push = channel.stream_unary(method_path("PushHandoff"), request_serializer=identity)
-        call = push.future(gated(frames, gate, after=4), timeout=30)
-        wait_until(lambda: broker.store.stats().receiving == 1 and len(client.push_progress(DEMO, "r").tensors) >= 2)
-        call.cancel()  # the prefill's stream breaks
-        wait_until(lambda: broker.store.stats().receiving == 1 and broker.store._entries[(DEMO, "r")].push is None)
+        break_a_resumable_push(broker, client, channel, contract, tensors, gate, after=4)
         kept = client.push_progress(DEMO, "r")
         assert not kept.complete and kept.position == 1
         assert [t.tensor for t in kept.tensors][0] == contract.carried[0].name
@@ -356,15 +363,9 @@ def test_a_draining_broker_lets_a_kept_push_resume_finish_and_be_pulled(start_br
     broker = start_broker()
     contract = contracts[DEMO]
     tensors = seeded_tensors(contract, seed=21)
-    header = pb.PushHeader(model=DEMO, handoff_id="r", position=1, fingerprint=contract.fingerprint, resumable=True)
-    frames = [pb.PushRequest(header=header).SerializeToString(), *chunk_frames(contract, tensors, 1 << 20)]
     with HandoffClient(broker.address) as client, open_channel(broker.address) as channel:
         gate = threading.Event()
-        push = channel.stream_unary(method_path("PushHandoff"), request_serializer=identity)
-        call = push.future(gated(frames, gate, after=3), timeout=30)
-        wait_until(lambda: broker.store.stats().receiving == 1 and len(client.push_progress(DEMO, "r").tensors) >= 2)
-        call.cancel()  # the prefill's stream breaks: the push is kept for its resume
-        wait_until(lambda: broker.store._entries[(DEMO, "r")].push is None)
+        frames = break_a_resumable_push(broker, client, channel, contract, tensors, gate, after=3)
         stopping = threading.Thread(target=broker.stop, kwargs={"grace": 20})
         stopping.start()
         wait_until(lambda: broker.store.stats().draining)
