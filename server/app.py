@@ -28,7 +28,8 @@ from .auth import AuthInterceptor, TokenTable
 from .contracts import default_contracts
 from .metrics import Metrics, MetricsServer
 from .registry import EtcdRegistration
-from .service import HandoffBrokerServicer, rpc_handler
+from .rpc import rpc_handler
+from .service import HandoffBrokerServicer
 from .store import Store, StoreConfig, StoreStats
 from .watchdog import Watchdog
 

@@ -1,4 +1,5 @@
-"""The `handoff-broker` command: serve, demo, status, health, check-contracts."""
+"""The `handoff-broker` command line: its flags, their environment variables and config file, and logging; what each
+command does is server/commands.py."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ import json
 import logging
 import os
 import re
-import signal
 import sys
-import threading
 import tomllib
-from pathlib import Path
 
-from handoff_client._contract import Contract, ManifestError
+from handoff_client._contract import ManifestError
+
+from . import commands
 
 logger = logging.getLogger("handoff_broker")
 
@@ -50,37 +50,6 @@ Every flag may also be set in the environment (--max-bytes as HANDOFF_MAX_BYTES,
 by --config (max-bytes = "16GiB"); the command line wins over the environment, which wins over the file."""
 
 
-def _config_contract(path: Path, **options: object):  # noqa: ANN202 - a Contract
-    """The contract a Hugging Face config.json file describes; ManifestError naming the file when it cannot."""
-    from handoff_client._architectures import contract_from_config
-
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{path}: not a readable config.json: {e}") from None
-    try:
-        return contract_from_config(config, **options)
-    except ManifestError as e:
-        raise ManifestError(f"{path}: {e}") from None
-
-
-def _security(args: argparse.Namespace) -> dict:
-    """TLS material and tokens from their files; OSError or ManifestError naming the file when one is amiss."""
-    from .auth import TokenTable
-
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise ManifestError("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        raise ManifestError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
-    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-    return {
-        "tls_cert": read(args.tls_cert),
-        "tls_key": read(args.tls_key),
-        "tls_client_ca": read(args.tls_client_ca),
-        "tokens": TokenTable.load(Path(args.tokens)) if args.tokens else None,
-    }
-
-
 def _add_connection_flags(command: argparse.ArgumentParser) -> None:
     """How a client command reaches a broker: its address, and TLS and a bearer token when the broker asks for them.
     The names differ from `serve`'s --tls-cert/--tls-key so that their environment variables never collide in one
@@ -93,239 +62,6 @@ def _add_connection_flags(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--token-file", metavar="FILE", help="a file holding the bearer token (never on a command line)"
     )
-
-
-def _connection(args: argparse.Namespace) -> dict:
-    """HandoffClient's keyword arguments from the connection flags; OSError or ManifestError naming what is amiss."""
-    if bool(args.tls_client_cert) != bool(args.tls_client_key):
-        raise ManifestError("--tls-client-cert and --tls-client-key go together")
-    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-    token = Path(args.token_file).read_text().strip() if args.token_file else None
-    if args.token_file and not token:
-        raise ManifestError(f"{args.token_file}: no token in the file")
-    return {
-        "tls_root_certificates": read(args.tls_ca),
-        "tls_certificate_chain": read(args.tls_client_cert),
-        "tls_private_key": read(args.tls_client_key),
-        "tls_server_name": args.tls_server_name,
-        "token": token,
-    }
-
-
-def _hash_token(args: argparse.Namespace) -> int:
-    """The sha256 a token file stores for a token read from stdin (so it never sits on a command line)."""
-    from .auth import hash_token
-
-    token = sys.stdin.readline().strip()
-    if not token:
-        print("handoff-broker: no token on stdin", file=sys.stderr)
-        return 2
-    print(hash_token(token))
-    return 0
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from .app import BrokerConfig, build_server, default_max_bytes
-    from .contracts import default_contracts, load_contracts
-
-    try:
-        contracts = load_contracts(Path(args.contracts)) if args.contracts else {}
-        for value in args.model_config or []:
-            name, _, path = value.rpartition("=")  # NAME=CONFIG.json names the model (vLLM's --served-model-name)
-            contract = _config_contract(Path(path), ctx=args.config_ctx, dtype=args.config_dtype, model=name or None)
-            if contract.model in contracts:
-                raise ManifestError(f"{path}: model: `{contract.model}` is already served")
-            contracts[contract.model] = contract
-        contracts = contracts or default_contracts()
-    except ManifestError as e:
-        print(f"handoff-broker: cannot start: {e}", file=sys.stderr)
-        return 2
-    try:
-        security = _security(args)
-    except (OSError, ManifestError) as e:
-        print(f"handoff-broker: cannot start: {e}", file=sys.stderr)
-        return 2
-    config = BrokerConfig(
-        **security,
-        max_message_bytes=args.max_message_bytes,
-        max_streams_per_connection=args.max_streams_per_connection,
-        push_deadline=args.push_deadline,
-        etcd=args.etcd,
-        advertise=args.advertise,
-        etcd_lease=args.etcd_lease,
-        host=args.host,
-        port=args.port,
-        contracts=contracts,
-        max_bytes=args.max_bytes if args.max_bytes is not None else default_max_bytes(),
-        ttl=args.ttl,
-        lease=args.lease,
-        idle_timeout=args.idle_timeout,
-        resume_window=args.resume_window,
-        trim_after=args.trim_after,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        metrics_host=args.metrics_host,
-        workers=args.workers,
-        keepalive_seconds=args.keepalive,
-        keepalive_timeout_seconds=args.keepalive_timeout,
-    )
-    try:
-        broker, port = build_server(config)
-    except (OSError, RuntimeError) as e:
-        print(f"handoff-broker: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    broker.start()
-    metrics = f"; metrics on :{broker.metrics_port}/metrics" if broker.metrics_port is not None else ""
-    print(
-        f"handoff-broker listening on {broker.address}; max {config.max_bytes} bytes of hand-offs{metrics}", flush=True
-    )
-    stop.wait()
-    logger.info("signal received: draining for up to %ss", args.grace)
-    broker.stop(args.grace)
-    return 0
-
-
-def _contract_from_config(args: argparse.Namespace) -> int:
-    """Write the manifest of the model a Hugging Face config.json describes."""
-    try:
-        contract = _config_contract(
-            Path(args.config), ctx=args.ctx, dtype=args.dtype, model=args.model, state_dtype=args.state_dtype,
-            scale=args.scale,
-        )  # fmt: skip
-    except ManifestError as e:
-        print(f"handoff-broker: {e}", file=sys.stderr)
-        return 2
-    text = json.dumps(contract.to_json(), indent=2) + "\n"
-    if args.output:
-        Path(args.output).write_text(text)
-        print(
-            f"{args.output}: {contract.model}, {len(contract.carried)} carried tensors, {contract.nbytes} bytes "
-            f"a hand-off at the full ctx {contract.ctx}, {_short_prompt_bytes(contract)}",
-            file=sys.stderr,
-        )
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
-def _check_contracts(args: argparse.Namespace) -> int:
-    from .contracts import load_contracts
-
-    try:
-        contracts = load_contracts(Path(args.folder))
-    except ManifestError as e:
-        print(f"handoff-broker: {e}", file=sys.stderr)
-        return 2
-    for model, contract in sorted(contracts.items()):
-        print(
-            f"{model}: ctx {contract.ctx}, hidden {contract.hidden}, {len(contract.carried)} carried tensors, "
-            f"{contract.nbytes} bytes per hand-off at the full ctx, {_short_prompt_bytes(contract)}, "
-            f"fingerprint {contract.fingerprint}"
-        )
-        for c in contract.carried:
-            split = f"  {c.heads} heads x {c.head_dim}" if c.heads else ""
-            rows = "  rows are positions" if c.rows_are_positions else ""
-            print(
-                f"  layer {c.layer:>3}  {c.name:<40} {c.rows:>7} x {c.cols:<6} {c.dtype:<14} {c.nbytes:>12} bytes"
-                f"{split}{rows}"
-            )
-    return 0
-
-
-def _short_prompt_bytes(contract: Contract) -> str:
-    """What a hand-off after a short prompt carries, for the reader to compare with the full context's bytes."""
-    tokens = min(1000, contract.ctx - 1)
-    return f"{contract.at(tokens).nbytes} after {tokens} tokens"
-
-
-def _health(args: argparse.Namespace) -> int:
-    """Exit 0 when the broker at --target reports SERVING over the gRPC health service (Docker's HEALTHCHECK)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from handoff_client._client import make_channel
-
-    tls = _connection(args)
-    tls.pop("token")  # health needs none
-    with make_channel(args.target, **tls) as channel:
-        try:
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
-        except grpc.RpcError as e:
-            print(f"{args.target}: {e.code().name}", file=sys.stderr)
-            return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-    print(f"{args.target}: {status}")
-    return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
-def _status(args: argparse.Namespace) -> int:
-    """What a live broker holds, read over its GetStatus RPC."""
-    from handoff_client import HandoffClient, HandoffError
-    from handoff_client._wire import contract_from_proto
-
-    with HandoffClient(args.target, **_connection(args)) as client:
-        try:
-            status = client.status(timeout=args.timeout)
-        except HandoffError as e:
-            print(f"{args.target}: {e.message}", file=sys.stderr)
-            return 1
-    held = status.receiving + status.ready + status.claimed
-    print(f"{args.target}: {'DRAINING' if status.draining else 'serving'}")
-    print(
-        f"  hand-offs held: {held} ({status.receiving} receiving, {status.ready} ready, {status.claimed} claimed); "
-        f"oldest {status.oldest_seconds:.1f} s"
-    )
-    share = status.resident_bytes / status.max_bytes if status.max_bytes else 0.0
-    print(
-        f"  bytes: {status.resident_bytes} of {status.max_bytes} ({100 * share:.1f}%); "
-        f"{status.tombstones} recently gone remembered"
-    )
-    for message in status.contracts:
-        contract = contract_from_proto(message)
-        print(
-            f"  contract {contract.model}: ctx {contract.ctx}, {len(contract.carried)} tensors, "
-            f"{contract.nbytes} bytes a hand-off, fingerprint {contract.fingerprint[:16]}"
-        )
-    return 0
-
-
-def _traffic(args: argparse.Namespace) -> int:
-    """A demo prefill or decode worker that moves hand-offs of one model continuously (for compose and dashboards):
-    the prefill pushes ids <prefix>-0, -1, ...; the decode pulls the same ids in order."""
-    import time
-
-    from handoff_client import HandoffClient, HandoffError
-
-    from .demo import demo_tensors
-
-    with HandoffClient(args.target, **_connection(args)) as client:
-        contract = None
-        n = 0
-        while args.count is None or n < args.count:
-            try:
-                contract = contract or client.get_contract(args.model)
-                handoff_id = f"{args.prefix}-{n}"
-                if args.role == "prefill":
-                    client.push(args.model, handoff_id, n % contract.ctx, demo_tensors(contract, n))
-                else:
-                    client.pull(args.model, handoff_id, timeout=30)
-                n += 1
-            except HandoffError as e:
-                logger.warning("%s %s: %s", args.role, args.model, e.message)
-                if args.count is not None:
-                    return 1
-                time.sleep(1.0)
-            time.sleep(args.interval)
-    print(f"{args.role}: {n} hand-offs of {args.model}")
-    return 0
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    return run_demo(args)
 
 
 ENV_PREFIX = "HANDOFF_"
@@ -371,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["text", "json"],
         help="one line per event, as text or JSON [env HANDOFF_LOG_FORMAT]",
     )
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_EnvDefaults)
+    subcommands = parser.add_subparsers(dest="command", required=True, parser_class=_EnvDefaults)
 
-    serve = commands.add_parser("serve", help="run the broker", description=SERVE_HELP,
+    serve = subcommands.add_parser("serve", help="run the broker", description=SERVE_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     serve.add_argument("--config", metavar="FILE.toml", help="settings by flag name; flags and env win over it")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
@@ -416,15 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--etcd-lease", type=int, default=5, help="seconds the etcd lease outlives a dead broker (5)")
     serve.add_argument("--keepalive", type=float, default=20.0, help="seconds between HTTP/2 pings on idle links (20)")
     serve.add_argument("--keepalive-timeout", type=float, default=10.0, help="seconds a ping may go unanswered (10)")
-    serve.set_defaults(run=_serve)
+    serve.set_defaults(run=commands.serve)
 
-    demo = commands.add_parser("demo", help="push and pull one hand-off between two processes through a broker")
+    demo = subcommands.add_parser("demo", help="push and pull one hand-off between two processes through a broker")
     from .demo import add_demo_arguments
 
     add_demo_arguments(demo)
-    demo.set_defaults(run=_demo)
+    demo.set_defaults(run=commands.demo)
 
-    derive = commands.add_parser("contract-from-config", help="write the manifest a Hugging Face config.json implies")
+    derive = subcommands.add_parser(
+        "contract-from-config", help="write the manifest a Hugging Face config.json implies"
+    )
     derive.add_argument("config", metavar="CONFIG.json")
     derive.add_argument("--ctx", type=int, default=4096, help="cache length in positions (4096)")
     derive.add_argument("--dtype", default="bfloat16", help="cache dtype; float8_e4m3fn and int8 add scales (bfloat16)")
@@ -432,33 +170,35 @@ def build_parser() -> argparse.ArgumentParser:
     derive.add_argument("--scale", choices=["tensor", "row", "none"], help="scale tensors for quantized caches")
     derive.add_argument("--model", help="the contract's model name (default: the config's _name_or_path)")
     derive.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
-    derive.set_defaults(run=_contract_from_config)
+    derive.set_defaults(run=commands.contract_from_config)
 
-    check = commands.add_parser("check-contracts", help="validate a folder of manifests and print each contract")
+    check = subcommands.add_parser("check-contracts", help="validate a folder of manifests and print each contract")
     check.add_argument("folder", metavar="DIR")
-    check.set_defaults(run=_check_contracts)
-    traffic = commands.add_parser("traffic", help="a demo worker moving hand-offs continuously (compose, dashboards)")
+    check.set_defaults(run=commands.check_contracts)
+    traffic = subcommands.add_parser(
+        "traffic", help="a demo worker moving hand-offs continuously (compose, dashboards)"
+    )
     traffic.add_argument("role", choices=["prefill", "decode"])
     _add_connection_flags(traffic)
     traffic.add_argument("--model", default="demo-hybrid")
     traffic.add_argument("--prefix", default="traffic")
     traffic.add_argument("--interval", type=float, default=0.5, help="seconds between hand-offs (0.5)")
     traffic.add_argument("--count", type=int, help="stop after this many (default: never)")
-    traffic.set_defaults(run=_traffic)
+    traffic.set_defaults(run=commands.traffic)
 
-    hashing = commands.add_parser("hash-token", help="print the sha256 a token file stores, for a token on stdin")
-    hashing.set_defaults(run=_hash_token)
+    hashing = subcommands.add_parser("hash-token", help="print the sha256 a token file stores, for a token on stdin")
+    hashing.set_defaults(run=commands.hash_token_command)
 
-    status = commands.add_parser("status", help="what a live broker holds: hand-offs, bytes, contracts")
+    status = subcommands.add_parser("status", help="what a live broker holds: hand-offs, bytes, contracts")
     _add_connection_flags(status)
     status.add_argument("--timeout", type=float, default=5.0)
-    status.set_defaults(run=_status)
+    status.set_defaults(run=commands.status)
 
-    health = commands.add_parser("health", help="ask a broker's gRPC health service; exit 0 when SERVING")
+    health = subcommands.add_parser("health", help="ask a broker's gRPC health service; exit 0 when SERVING")
     _add_connection_flags(health)
     health.add_argument("--timeout", type=float, default=3.0)
-    health.set_defaults(run=_health)
-    for command in commands.choices.values():  # the log flags may come after the command too
+    health.set_defaults(run=commands.health)
+    for command in subcommands.choices.values():  # the log flags may come after the command too
         command.add_argument("--log-level", default=argparse.SUPPRESS, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                              help="as before the command")  # fmt: skip
         command.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
@@ -494,23 +234,20 @@ def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None
         serve.set_defaults(**{dest: value})
 
 
+SERVER_COMMANDS = ("serve", "demo")  # they run a broker; every other command needs only the client library
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        import grpc_health  # noqa: F401
-        import grpc_reflection  # noqa: F401
-    except ImportError as e:
-        print(
-            f"handoff-broker: the broker needs its server extra (missing {e.name}): "
-            "pip install 'handoff-broker[server]'",
-            file=sys.stderr,
-        )
-        return 2
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     _apply_config_file(parser, argv)
     args = parser.parse_args(argv)
     if getattr(args, "env_errors", None):
         parser.error("; ".join(args.env_errors))
+    if args.command in SERVER_COMMANDS and (missing := _missing_server_extra()):
+        print(f"handoff-broker {args.command}: runs a broker, which needs the server extra (missing {missing}): "
+              "pip install 'handoff-broker[server]'", file=sys.stderr)  # fmt: skip
+        return 2
     handler = logging.StreamHandler()
     if args.log_format == "json":
         handler.setFormatter(JsonFormatter())
@@ -523,6 +260,16 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ManifestError) as e:  # a file named on the command line that is missing or amiss
         print(f"handoff-broker {args.command}: {e}", file=sys.stderr)
         return 2
+
+
+def _missing_server_extra() -> str | None:
+    """The first module of the server extra that is not installed, if any."""
+    for module in ("grpc_health", "grpc_reflection", "prometheus_client"):
+        try:
+            __import__(module)
+        except ImportError:
+            return module
+    return None
 
 
 class JsonFormatter(logging.Formatter):

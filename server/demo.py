@@ -21,7 +21,6 @@ import numpy as np
 from handoff_client import Contract, HandoffClient
 from handoff_client._contract import cut_to_filled
 
-from .app import BrokerConfig, build_server
 from .contracts import DEFAULT_MODEL
 
 
@@ -91,6 +90,8 @@ def _worker_command(role: str, target: str, args: argparse.Namespace) -> list[st
 
 def run_demo(args: argparse.Namespace) -> int:
     """The whole demo; 0 when every tensor arrived identical."""
+    from .app import BrokerConfig, build_server  # (the server extra: only when the demo runs its broker)
+
     broker, port = build_server(BrokerConfig(host="127.0.0.1", port=0))
     with broker:
         target = f"127.0.0.1:{port}"

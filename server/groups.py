@@ -5,11 +5,11 @@ rank (server/reshard.py); each is claimed, leased and confirmed on its own, exac
 group is gone once every pulling rank has confirmed. Any rank's push failing, or any part expiring, frees the group.
 
 A pull made while the push is under way does not wait for it: where each pulling rank needs exactly what one
-pushing rank sends, the group streams through (`_stream_through`: no cut at all); otherwise the cut is made as the
-push arrives (`_cut_as_pushed`), tensor by tensor, each as soon as every pushing rank holding it has all of it.
+pushing rank sends, the group streams through (`stream_through`: no cut at all); otherwise the cut is made as the
+push arrives (`cut_as_pushed`), tensor by tensor, each as soon as every pushing rank holding it has all of it.
 
-These are the Store's methods for it (a mixin: they run under the store's lock, on its entries); the arithmetic of
-heads is handoff_client/_shards.py, the cut itself server/reshard.py.
+`TensorParallel` does this on the store's holdings (server/holdings.py), under its lock; the arithmetic of heads is
+handoff_client/_shards.py, the cut itself server/reshard.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,15 +26,16 @@ from handoff_client._errors import HandoffExists, ShardMismatch
 from handoff_client._shards import WHOLE, Shard, ShardContract
 
 from . import reshard
-from .entries import Entry, HandoffKey, Interrupt, StoredChunk, by_tensor, run_interrupts, run_interrupts_later
-from .ledger import Ledger, Reservation
+from .entries import Entry, HandoffKey, Stage, StoredChunk, by_tensor, run_interrupts
+from .ledger import Reservation
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from .entries import StoreConfig, StoreEvents, Tombstone
+    from .holdings import Holdings
 
 logger = logging.getLogger(__name__)
+
+CutWork = Callable[[], None]
+"""Copying begun under the store's lock, to be done outside it (it takes the lock itself to hand its result over)."""
 
 
 @dataclass(eq=False)
@@ -54,7 +56,7 @@ class Group:
     # is then `pushed` itself), because at this TP size every rank pulls exactly what it pushes.
     live: bool = False
     # Cut as pushed: the pulling ranks' parts exist, uncommitted, and each tensor is cut into them as soon as every
-    # pushing rank that holds it has all of it; they commit once every pushing rank has (`_finish_cut`).
+    # pushing rank that holds it has all of it; they commit once every pushing rank has (`finish_cut`).
     feeding: bool = False
     plans: list[reshard.ShardPlan] = field(default_factory=list)
     holders: dict[str, list[tuple[Entry, int]]] = field(default_factory=dict)  # per tensor: (pushed part, index)
@@ -82,31 +84,20 @@ def part_key(key: HandoffKey, side: str, shard: Shard) -> HandoffKey:
     return model, f"{handoff_id}\x1f{side}:{shard.rank}/{shard.size}"
 
 
-class TensorParallelGroups:
-    """The store's handling of tensor-parallel groups; every method runs with the store's lock held."""
+class TensorParallel:
+    """The store's handling of tensor-parallel groups, on its holdings. Every method runs with the lock held, except
+    the cut work (`CutWork`) that `cut_as_pushed` and `begin_cut` hand back: the caller does it after letting go of
+    the lock, and the work takes the lock again itself to hand its result over."""
 
-    _lock: threading.Lock
-    _changed: threading.Condition
-    _entries: dict[HandoffKey, Entry]
-    _groups: dict[HandoffKey, Group]
-    _tombstones: dict[HandoffKey, Tombstone]
-    _ledger: Ledger
-    _clock: Callable[[], float]
-    config: StoreConfig
-    events: StoreEvents
+    def __init__(self, holdings: Holdings) -> None:
+        self.h = holdings
 
-    def _free(self, entry: Entry, how: str) -> list[Interrupt]:
-        raise NotImplementedError
-
-    def _bury(self, key: HandoffKey, how: str, generation: int, digest: str, position: int = -1) -> None:
-        raise NotImplementedError
-
-    def _sharding_checks(self, key: HandoffKey, group: Group | None, shard: Shard, position: int) -> str | None:
+    def sharding_checks(self, key: HandoffKey, group: Group | None, shard: Shard, position: int) -> str | None:
         """Under the lock: refuse a push whose TP size differs from the hand-off's other ranks'; the digest a
         retried push must repeat, when its rank's part has already been cut for pulling (else None)."""
         model, handoff_id = key
         if group is None:
-            if not shard.whole and key in self._entries:
+            if not shard.whole and key in self.h.entries:
                 raise ShardMismatch(model, handoff_id, "pushed", 1, shard.size)
             return None
         if group.push_size != shard.size:
@@ -121,7 +112,7 @@ class TensorParallelGroups:
             return group.push_digests.get(shard.rank, "")
         return None
 
-    def _stream_through(self, group: Group, size: int) -> bool:
+    def stream_through(self, group: Group, size: int) -> bool:
         """Under the lock, at a pull of a group still being pushed: go live if pulling rank r at `size` needs exactly
         what pushing rank r sends (equal TP sizes, every tensor split by heads the TP size divides: no replicated
         heads, no tensor that only rank 0 pushes). Then no cut is needed, now or later, and each pulling rank streams
@@ -135,26 +126,26 @@ class TensorParallelGroups:
         logger.info("hand-off %s/%s streams through to %d pulling ranks as it is pushed", *group.key, size)
         return True
 
-    def _adopt(self, entry: Entry) -> Group:
+    def adopt(self, entry: Entry) -> Group:
         """Under the lock: a whole hand-off becomes a group of one pushing rank, for a sharded pull to cut."""
         group = Group(entry.key, entry.contract, entry.position, 1, entry.created, pushed={0: entry},
                       push_digests={0: entry.digest} if entry.committed else {},
-                      reservation=self._ledger.reservation())  # fmt: skip
+                      reservation=self.h.ledger.reservation())  # fmt: skip
         entry.group = group
-        self._groups[entry.key] = group
+        self.h.groups[entry.key] = group
         return group
 
-    def _adopt_as_pushed(self, entry: Entry, size: int) -> Group | None:
-        """Under the lock (released while copying): a whole push still under way becomes a group of one pushing rank
-        cut for `size` pulling ranks as it arrives; None, and nothing changed, when the cut cannot begin now."""
-        group = self._adopt(entry)
-        if self._cut_as_pushed(group, size):
+    def adopt_as_pushed(self, entry: Entry, size: int, work: list[CutWork]) -> Group | None:
+        """Under the lock: a whole push still under way becomes a group of one pushing rank cut for `size` pulling
+        ranks as it arrives (`cut_as_pushed`); None, and nothing changed, when the cut cannot begin now."""
+        group = self.adopt(entry)
+        if self.cut_as_pushed(group, size, work):
             return group
-        del self._groups[entry.key]
+        del self.h.groups[entry.key]
         entry.group = None
         return None
 
-    def _whole_at_last(self, group: Group) -> list[str]:
+    def whole_at_last(self, group: Group) -> list[str]:
         """Under the lock, as a rank commits: a live group's pulling ranks may end their streams once all have; a
         group cut as pushed commits its pulling ranks' parts once every tensor is cut (the tensors still to cut are
         returned, for the committing thread to cut outside the lock)."""
@@ -162,21 +153,22 @@ class TensorParallelGroups:
             for entry in group.pushed.values():
                 entry.changed.notify_all()
         if group.feeding and group.complete:
-            ready = self._ready_to_cut(group)
-            self._finish_cut(group)
+            ready = self.ready_to_cut(group)
+            self.finish_cut(group)
             return ready
         return []
 
-    def _cut_as_pushed(self, group: Group, size: int) -> bool:
-        """Under the lock (released while copying), at a pull of a group still being pushed that cannot stream
+    def cut_as_pushed(self, group: Group, size: int, work: list[CutWork]) -> bool:
+        """Under the lock, at a pull of a group still being pushed that cannot stream
         through: make the pulling ranks' parts now and cut each tensor into them as soon as every pushing rank holding
         it has all of it, so decode ranks start on the first layers while the prefill ranks still push the last.
-        Each stream's end still waits for the last pushing rank's commit. False, changing nothing, while a pushing
-        rank has not begun (its view decides where heads come from) or when the copies would not fit now."""
+        Each stream's end still waits for the last pushing rank's commit. The tensors already whole are added to
+        `work`, to cut outside the lock. False, changing nothing, while a pushing rank has not begun (its view decides
+        where heads come from) or when the copies would not fit now."""
         if group.pull_size or group.cutting or group.complete or len(group.pushed) != group.push_size:
             return False
-        extra = self._cut_bytes(group, size)
-        if not self._ledger.fits(extra):
+        extra = self.cut_bytes(group, size)
+        if not self.h.ledger.fits(extra):
             return False
         group.reservation.charge(extra)
         for entry in group.pushed.values():  # from now on a part's chunks are kept by tensor only, for the cut to
@@ -188,22 +180,18 @@ class TensorParallelGroups:
                 group.holders.setdefault(carried.name, []).append((group.pushed[rank], index))
         ttl = min(entry.ttl for entry in group.pushed.values())
         for rank, plan in enumerate(group.plans):
-            self._new_part(group, Shard(rank, size), plan.view, ttl)
+            self.new_part(group, Shard(rank, size), plan.view, ttl)
         group.pull_size, group.feeding = size, True
-        self.events.resharded(group.key[0], extra)
+        self.h.events.resharded(group.key[0], extra)
         logger.info("hand-off %s/%s is cut for %d pulling ranks as it is pushed", *group.key, size)
-        ready = self._ready_to_cut(group)
+        ready = self.ready_to_cut(group)
         if ready:
-            self._lock.release()
-            try:
-                self._cut_tensors(group, ready)
-            finally:
-                self._lock.acquire()
+            work.append(functools.partial(self.cut_tensors, group, ready))
         return True
 
-    def _ready_to_cut(self, group: Group) -> list[str]:
+    def ready_to_cut(self, group: Group) -> list[str]:
         """Under the lock: the tensors every pushing rank holding them now has whole and that nobody is cutting yet,
-        marked as being cut (the caller cuts them with `_cut_tensors`, outside the lock)."""
+        marked as being cut (the caller cuts them with `cut_tensors`, outside the lock)."""
         if not group.feeding or group.ended is not None:
             return []
         ready = [
@@ -216,17 +204,17 @@ class TensorParallelGroups:
             group.building += 1
         return ready
 
-    def _cut_tensors(self, group: Group, names: list[str]) -> None:
+    def cut_tensors(self, group: Group, names: list[str]) -> None:
         """Outside the lock: cut these tensors into the pulling ranks' parts and hand them to their streams."""
         try:
             built = [reshard.build_tensor(group.plans, name) for name in names]
         except BaseException:
-            with self._lock:
+            with self.h.lock:
                 group.building -= 1
-                interrupts = self._end_group(group, "aborted") if group.ended is None else []
+                interrupts = self.h.end_group(group, "aborted") if group.ended is None else []
             run_interrupts(interrupts)
             raise
-        with self._lock:
+        with self.h.lock:
             group.building -= 1
             if group.ended is not None:
                 return  # cancelled, or a rank failed, meanwhile: its parts are gone
@@ -236,103 +224,90 @@ class TensorParallelGroups:
                         part = group.pulled[rank]
                         part.arrived += chunks
                         part.changed.notify_all()
-            self._finish_cut(group)
+            self.finish_cut(group)
 
-    def _finish_cut(self, group: Group) -> None:
+    def finish_cut(self, group: Group) -> None:
         """Under the lock: once every pushing rank has committed and every tensor is cut, the pulling ranks' parts
         commit (their streams may end) and the pushed parts go; their frames live on in the parts that reuse them."""
         if not group.feeding or group.ended is not None or not group.complete or group.building:
             return
         if len(group.built) != len(group.holders):
             return  # the committing thread cuts what is left, then comes back here
-        now = self._clock()
+        now = self.h.clock()
         committed_at = max(entry.committed_at for entry in group.pushed.values())
         for part in group.pulled.values():
             part.ordered = sorted(part.arrived, key=lambda c: (c.index, c.offset))
-            part.digest = reshard.digest_of(part.ordered)
-            part.committed, part.committed_at, part.expires_at = True, committed_at, now + part.ttl
-            part.changed.notify_all()
-        self._hand_over_pushed(group, group.plans)
+            part.commit(reshard.digest_of(part.ordered), now, committed_at)
+            self.h.schedule(part)
+        self.hand_over_pushed(group, group.plans)
         group.feeding, group.holders, group.plans = False, {}, []
-        self._changed.notify_all()
+        self.h.changed.notify_all()
 
-    def _new_part(self, group: Group, shard: Shard, view: ShardContract, ttl: float) -> Entry:
+    def new_part(self, group: Group, shard: Shard, view: ShardContract, ttl: float) -> Entry:
         """Under the lock: a pulling rank's part of the group, filled by the cut, in the store under its own key."""
-        part = Entry(part_key(group.key, "pull", shard), view, group.position, ttl, None,
-                      threading.Condition(self._lock))  # fmt: skip
-        part.created, part.group, part.rank, part.cut_part = group.created, group, shard.rank, True
-        self._entries[part.key] = part
+        part = Entry(part_key(group.key, "pull", shard), view, group.position, ttl, threading.Condition(self.h.lock),
+                     stage=Stage.FILLING, created=group.created, group=group, rank=shard.rank)  # fmt: skip
+        self.h.add(part)
         group.pulled[shard.rank] = part
         return part
 
-    def _hand_over_pushed(self, group: Group, plans: list[reshard.ShardPlan]) -> None:
+    def hand_over_pushed(self, group: Group, plans: list[reshard.ShardPlan]) -> None:
         """Under the lock, once the cut is whole: the pushed parts go. What the pulling ranks' parts reuse of their
         frames stays reserved, by the group; what the cut copied (and so freed) is charged no more."""
         reused = {id(chunks) for plan in plans for chunks in plan.reuse.values()}
         for entry in list(group.pushed.values()):
             kept = sum(c.nbytes for c, chunks in zip(entry.contract.carried, entry.by_tensor) if id(chunks) in reused)
-            self._free(entry, "cut")  # (its reservation released first: the group's charge then fits)
+            self.h.free(entry, "cut")  # (its reservation released first: the group's charge then fits)
             group.reservation.charge(kept)
         group.pushed = {}
 
-    def _cut(self, group: Group, size: int) -> bool:
-        """Under the lock (released while copying): cut the group's pushed parts into `size` pulling ranks' parts,
-        and free the pushed parts. False, cutting nothing, when the copies would not fit in `max_bytes` now."""
+    def begin_cut(self, group: Group, size: int) -> CutWork | None:
+        """Under the lock, at the first pull of a group whose every pushing rank has committed: reserve the copies
+        for `size` pulling ranks' parts and return the work that makes them (outside the lock); None, changing
+        nothing, when the copies would not fit in `max_bytes` now."""
         plans = _plans(group, size)
         extra = sum(p.new_bytes for p in plans)
-        if not self._ledger.fits(extra):
-            return False
+        if not self.h.ledger.fits(extra):
+            return None
         group.cutting = True
         group.reservation.charge(extra)  # reserved before the copies are made
         for entry in group.pushed.values():  # the cut owns the chunks (by tensor) and frees each tensor's once built
             entry.arrived, entry.ordered = [], []
-        self._lock.release()
+        return functools.partial(self._cut, group, size, plans, extra)
+
+    def _cut(self, group: Group, size: int, plans: list[reshard.ShardPlan], extra: int) -> None:
+        """Outside the lock: cut the group's pushed parts into `size` pulling ranks' parts; then, under it, the parts
+        join the store and the pushed parts go."""
+        h = self.h
         try:
             built = reshard.build_all(plans)
         except BaseException:
-            self._lock.acquire()
-            group.cutting = False
-            if group.ended is None:  # its pushed parts are partly released: it cannot be cut again
-                run_interrupts_later(self._end_group(group, "aborted"))
+            with h.lock:
+                group.cutting = False
+                interrupts = h.end_group(group, "aborted") if group.ended is None else []  # (partly released)
+            run_interrupts(interrupts)
             raise
-        self._lock.acquire()
-        group.cutting = False
-        if group.ended is not None:
-            return True  # cancelled or lost meanwhile: the next look finds it gone
-        now = self._clock()
-        ttl = min(entry.ttl for entry in group.pushed.values())
-        committed_at = max(entry.committed_at for entry in group.pushed.values())  # each rank's wait counts from it
-        for rank, (plan, (chunks, digest)) in enumerate(zip(plans, built)):
-            part = self._new_part(group, Shard(rank, size), plan.view, ttl)
-            part.ordered = chunks
-            part.digest, part.committed, part.committed_at = digest, True, committed_at
-            part.expires_at = now + ttl
-        group.pull_size = size
-        self._hand_over_pushed(group, plans)
-        self._changed.notify_all()
-        self.events.resharded(group.key[0], extra)
+        with h.lock:
+            group.cutting = False
+            if group.ended is not None:
+                return  # cancelled or lost meanwhile: the next look finds it gone
+            now = h.clock()
+            ttl = min(entry.ttl for entry in group.pushed.values())
+            committed_at = max(entry.committed_at for entry in group.pushed.values())  # each rank's wait counts from it
+            for rank, (plan, (chunks, digest)) in enumerate(zip(plans, built)):
+                part = self.new_part(group, Shard(rank, size), plan.view, ttl)
+                part.ordered = chunks
+                part.commit(digest, now, committed_at)
+                h.schedule(part)
+            group.pull_size = size
+            self.hand_over_pushed(group, plans)
+            h.changed.notify_all()
+            h.events.resharded(group.key[0], extra)
         logger.info("hand-off %s/%s cut for %d pulling ranks (%d bytes copied)", *group.key, size, extra)
-        return True
 
-    def _cut_bytes(self, group: Group, size: int) -> int:
+    def cut_bytes(self, group: Group, size: int) -> int:
         """What cutting the group for `size` pulling ranks would copy (and so reserve)."""
         return sum(p.new_bytes for p in _plans(group, size))
-
-    def _end_group(self, group: Group, how: str, generation: int = 0) -> list[Interrupt]:
-        """The tensor-parallel hand-off is done with (every rank confirmed) or lost (a part failed, lapsed or was
-        cancelled): every part still held goes, and its bytes."""
-        group.ended = how
-        del self._groups[group.key]
-        parts = "abandoned" if how == "aborted" else how  # a sibling's pusher hears why at its next chunk
-        interrupts: list[Interrupt] = []
-        for entry in [*group.pushed.values(), *group.pulled.values()]:
-            if self._entries.get(entry.key) is entry:
-                interrupts += self._free(entry, parts)
-        group.reservation.release()
-        if how in ("expired", "cancelled", "confirmed"):
-            self._bury(group.key, how, generation if group.pull_size == 1 else 0, "")
-        self._changed.notify_all()
-        return interrupts
 
 
 @functools.lru_cache(maxsize=256)

@@ -23,12 +23,13 @@ if TYPE_CHECKING:
 
 
 class SessionOwner(Protocol):
-    """What a push session reports to: the store (which records each chunk, the commit or the end under its lock)."""
+    """What a push session reports to: the store's intake (which records each chunk, the commit or the end under the
+    store's lock)."""
 
-    def _append(self, session: _NewPush, chunk: StoredChunk) -> None: ...
-    def _suspend(self, session: _NewPush) -> None: ...
-    def _commit(self, session: _NewPush, digest: str) -> None: ...
-    def _abort(self, session: _NewPush) -> None: ...
+    def append(self, session: _NewPush, chunk: StoredChunk) -> None: ...
+    def suspend(self, session: _NewPush) -> None: ...
+    def commit(self, session: _NewPush, digest: str) -> None: ...
+    def abort(self, session: _NewPush) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -116,17 +117,17 @@ class _NewPush(PushSession):
         self.entry = entry
 
     def _record(self, chunk: StoredChunk) -> None:
-        self.store._append(self, chunk)
+        self.store.append(self, chunk)
 
     def suspend(self) -> None:
-        self.store._suspend(self)
+        self.store.suspend(self)
 
     def _finish(self, digest: str) -> PushOutcome:
-        self.store._commit(self, digest)
+        self.store.commit(self, digest)
         return PushOutcome(self.contract.nbytes, len(self._received), digest, duplicate=False)
 
     def abort(self) -> None:
-        self.store._abort(self)
+        self.store.abort(self)
 
 
 class _RepeatPush(PushSession):

@@ -1,46 +1,38 @@
 """The gRPC face of the store: proto in, domain calls, proto out, and every error mapped to a status here, once.
 
-The servicer's methods are the .proto's RPCs by name; `rpc_handler` registers them from the service descriptor, with
-the fast chunk codec (handoff_client/_frames.py) on the two streaming RPCs and the generated classes elsewhere.
+The servicer's methods are the .proto's RPCs by name; server/rpc.py registers them from the service descriptor and
+maps what they raise to statuses.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
-from grpc_status import rpc_status
-
 from handoff_client._errors import (
     MAX_FIELD_CHARS,
     BrokerBusy,
     HandoffError,
-    InternalError,
     MalformedRequest,
     MessageTooLarge,
     WaitTimedOut,
     bounded,
-    to_status,
 )
 from handoff_client._frames import ChunkFrame
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import (
-    SERVICE,
     Malformed,
     contract_to_proto,
-    decode_push_request,
-    identity,
-    message_classes,
     shard_from_proto,
 )
 
 from .admission import Admission
 from .auth import authorize_model, may_see
 from .metrics import Metrics
+from .rpc import mapped, mapped_stream
 from .store import Claim, Store
 from .watchdog import Watch, Watchdog
 
@@ -52,52 +44,6 @@ MAX_WAIT_SECONDS = 300.0
 DEADLINE_MARGIN = 0.05
 """Seconds before the caller's deadline at which a wait gives up, so the caller hears why rather than a bare
 DEADLINE_EXCEEDED."""
-
-
-def _abort(context: grpc.ServicerContext, error: HandoffError) -> None:
-    context.abort_with_status(rpc_status.to_status(to_status(error)))
-
-
-def _mapped(method: Callable) -> Callable:
-    """Turn our errors into their statuses and anything else into a logged INTERNAL, for a unary-response RPC."""
-
-    @functools.wraps(method)
-    def handler(self: HandoffBrokerServicer, request: object, context: grpc.ServicerContext) -> object:
-        try:
-            if isinstance(request, Malformed):
-                raise MalformedRequest(request.why)
-            return method(self, request, context)
-        except HandoffError as e:
-            self._refused(method.__name__, e)
-            _abort(context, e)
-        except grpc.RpcError:  # the client went away mid-stream; nobody is left to tell
-            logger.info("%s: the client's stream broke", method.__name__)
-            context.abort(grpc.StatusCode.CANCELLED, "the client's stream broke")
-        except Exception:
-            logger.exception("%s failed", method.__name__)
-            _abort(context, InternalError())
-        return None  # not reached: abort raises
-
-    return handler
-
-
-def _mapped_stream(method: Callable) -> Callable:
-    """As `_mapped`, for a server-streaming RPC: errors raised while streaming end the stream with their status."""
-
-    @functools.wraps(method)
-    def handler(self: HandoffBrokerServicer, request: object, context: grpc.ServicerContext) -> Iterator[object]:
-        try:
-            if isinstance(request, Malformed):
-                raise MalformedRequest(request.why)
-            yield from method(self, request, context)
-        except HandoffError as e:
-            self._refused(method.__name__, e)
-            _abort(context, e)
-        except Exception:
-            logger.exception("%s failed", method.__name__)
-            _abort(context, InternalError())
-
-    return handler
 
 
 def _wait_budget(context: grpc.ServicerContext) -> float:
@@ -138,19 +84,19 @@ class HandoffBrokerServicer:
     def _count_refusal(self, error: HandoffError) -> None:
         self.metrics.rejections.labels(self._model_label(error.model), error.reason).inc()
 
-    @_mapped
+    @mapped
     def ListContracts(
         self, request: pb.ListContractsRequest, context: grpc.ServicerContext
     ) -> pb.ListContractsResponse:
         models = [m for m in sorted(self.store.contracts) if may_see(m)]
         return pb.ListContractsResponse(contracts=[contract_to_proto(self.store.contracts[m]) for m in models])
 
-    @_mapped
+    @mapped
     def GetContract(self, request: pb.GetContractRequest, context: grpc.ServicerContext) -> pb.Contract:
         authorize_model(request.model)
         return contract_to_proto(self.store.contract(request.model))
 
-    @_mapped
+    @mapped
     def PushHandoff(self, requests: Iterator[object], context: grpc.ServicerContext) -> pb.PushResponse:
         """A stream slot for the call's life; a client silent for `idle_timeout` (before its header or after) has
         its call cancelled by the watchdog."""
@@ -237,7 +183,7 @@ class HandoffBrokerServicer:
             duplicate=result.duplicate,
         )
 
-    @_mapped_stream
+    @mapped_stream
     def PullHandoff(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         authorize_model(request.model)
         slot = self.admission.streams.take(request.model)
@@ -318,21 +264,21 @@ class HandoffBrokerServicer:
             claim.model, claim.handoff_id, claim.generation, claim.nbytes, elapsed * 1000,
         )  # fmt: skip
 
-    @_mapped
+    @mapped
     def ConfirmHandoff(self, request: pb.ConfirmRequest, context: grpc.ServicerContext) -> pb.ConfirmResponse:
         authorize_model(request.model)
         self.store.confirm(request.model, request.handoff_id, request.claim, shard_from_proto(request.model, request))
         logger.info("confirmed %s/%s by claim %d", request.model, request.handoff_id, request.claim)
         return pb.ConfirmResponse()
 
-    @_mapped
+    @mapped
     def CancelHandoff(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelResponse:
         authorize_model(request.model)
         cancelled = self.store.cancel(request.model, request.handoff_id)
         logger.info("cancel %s/%s: %s", request.model, request.handoff_id, "freed" if cancelled else "nothing held")
         return pb.CancelResponse(cancelled=cancelled)
 
-    @_mapped
+    @mapped
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         stats = self.store.stats()
         return pb.StatusResponse(
@@ -347,7 +293,7 @@ class HandoffBrokerServicer:
             contracts=[contract_to_proto(self.store.contracts[m]) for m in sorted(self.store.contracts) if may_see(m)],
         )
 
-    @_mapped
+    @mapped
     def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:
         authorize_model(request.model)
         committed, position, ranges = self.store.progress(
@@ -394,41 +340,3 @@ def _pull_header(claim: Claim, shard: pb.Shard) -> bytes:
         chunks=claim.chunks,
     )
     return pb.PullResponse(header=header).SerializeToString()
-
-
-_CODECS: dict[str, tuple[Callable, Callable]] = {
-    # method: (request deserializer, response serializer) where the fast chunk codec replaces the generated one
-    "PushHandoff": (decode_push_request, pb.PushResponse.SerializeToString),
-    "PullHandoff": (None, identity),
-}
-
-
-def _lenient(request_class: type) -> Callable[[bytes], object]:
-    """A deserializer that never raises: a request that does not parse (an id that is not UTF-8, say) becomes
-    Malformed, which the handler answers with INVALID_ARGUMENT — grpcio would end it with a bare INTERNAL."""
-
-    def parse(data: bytes) -> object:
-        try:
-            return request_class.FromString(data)
-        except Exception as e:  # noqa: BLE001 - any parse failure is the sender's
-            return Malformed(f"the request is not a valid {request_class.__name__}: {e}")
-
-    return parse
-
-
-def rpc_handler(servicer: HandoffBrokerServicer) -> grpc.GenericRpcHandler:
-    """The service's handlers, one per RPC of the descriptor, each of the streaming kind the .proto declares."""
-    handlers = {}
-    for method in SERVICE.methods:
-        request_class, response_class = message_classes(method.name)
-        deserialize, serialize = _CODECS.get(method.name, (None, response_class.SerializeToString))
-        deserialize = deserialize or _lenient(request_class)
-        behaviour = getattr(servicer, method.name)
-        kind = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = kind(behaviour, request_deserializer=deserialize, response_serializer=serialize)
-    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)

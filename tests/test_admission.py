@@ -125,7 +125,7 @@ def test_claims_are_numbered_once_for_the_store_so_a_zombie_confirm_frees_nothin
     with open_channel(broker.address) as channel:
         zombie = next(m for m in raw_pull(channel, DEMO, "r") if isinstance(m, pb.PullHeader)).claim
     client.cancel(DEMO, "r")
-    broker.store._tombstones.clear()  # the cancel's tombstone lapsed: the id may be pushed again
+    broker.store._h.tombstones.clear()  # the cancel's tombstone lapsed: the id may be pushed again
     client.push(DEMO, "r", 1, second)
     with open_channel(broker.address) as channel:
         claim = next(m for m in raw_pull(channel, DEMO, "r") if isinstance(m, pb.PullHeader)).claim

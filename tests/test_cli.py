@@ -173,6 +173,39 @@ print("ok", sorted(m for m in sys.modules if m.split(".")[0] in {{"handoff_broke
     assert result.stdout.strip() == "ok []"
 
 
+CLIENT_ONLY = """
+import runpy, sys
+class Refuse:  # the client-only install: none of the server extra
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"grpc_health", "grpc_reflection", "prometheus_client"}:
+            raise ImportError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Refuse())
+sys.argv = ["handoff-broker", *sys.argv[1:]]
+runpy.run_module("handoff_broker", run_name="__main__")
+"""
+
+
+def test_the_client_only_install_runs_every_command_that_needs_only_the_client(broker, tmp_path):
+    """Fails before the fix: every command, even --help, died importing grpc_health without the server extra."""
+    def client_only(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", CLIENT_ONLY, *args], input=stdin, capture_output=True, text=True,
+                              timeout=60, check=False)  # fmt: skip
+
+    assert client_only("--help").returncode == 0
+    health = client_only("health", "--target", broker.address)
+    assert (health.returncode, health.stdout.strip()) == (0, f"{broker.address}: SERVING"), health.stderr
+    status = client_only("status", "--target", broker.address)
+    assert status.returncode == 0 and "serving" in status.stdout, status.stderr
+    manifest = tmp_path / "llama.json"
+    derived = client_only("contract-from-config", str(CONFIGS / "llama-3-8b.json"), "-o", str(manifest))
+    assert derived.returncode == 0, derived.stderr
+    assert client_only("check-contracts", str(tmp_path)).returncode == 0
+    assert len(client_only("hash-token", stdin="secret\n").stdout.strip()) == 64
+    serve = client_only("serve", "--port", "0")
+    assert serve.returncode == 2
+    assert "needs the server extra (missing grpc_health): pip install 'handoff-broker[server]'" in serve.stderr
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [("1073741824", 1 << 30), ("16GiB", 16 << 30), ("16gib", 16 << 30), ("16G", 16 << 30), ("16g", 16 << 30),

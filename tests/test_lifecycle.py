@@ -335,7 +335,7 @@ def break_a_resumable_push(broker, client, channel, contract, tensors, gate, aft
     call = push.future(gated(frames, gate, after=after), timeout=30)
     wait_until(lambda: broker.store.stats().receiving == 1 and len(client.push_progress(DEMO, "r").tensors) >= 2)
     call.cancel()  # the prefill's stream breaks
-    wait_until(lambda: broker.store.stats().receiving == 1 and broker.store._entries[(DEMO, "r")].push is None)
+    wait_until(lambda: broker.store.stats().receiving == 1 and broker.store._h.entries[(DEMO, "r")].push is None)
     return frames
 
 
@@ -436,9 +436,9 @@ def test_a_decoder_whose_connection_half_dies_loses_its_claim_by_keepalive(start
         with open_channel(proxy.address) as channel:
             stream = raw_pull(channel, DEMO, "r", timeout=60)
             next(stream)
-            wait_until(lambda: broker.store._entries[(DEMO, "r")].claimed)
+            wait_until(lambda: broker.store._h.entries[(DEMO, "r")].claimed)
             proxy.freeze()  # the decoder's host is gone: its side of the connection says nothing more
-            wait_until(lambda: not broker.store._entries[(DEMO, "r")].claimed, timeout=15)
+            wait_until(lambda: not broker.store._h.entries[(DEMO, "r")].claimed, timeout=15)
         with HandoffClient(broker.address) as decoder:
             pulled = decoder.pull_tensors(DEMO, "r", timeout=20)
             arrived = iter(pulled)

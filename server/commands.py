@@ -1,0 +1,287 @@
+"""What each `handoff-broker` command does (server/cli.py parses the command line and calls one of these).
+
+`serve` and `demo` run a broker and need the server extra; the others need only the client library, so a worker's
+client-only install can check a broker's health and status, derive and check contracts, and hash tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from handoff_client._contract import Contract, ManifestError
+
+logger = logging.getLogger("handoff_broker")
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+def _config_contract(path: Path, **options: object):
+    """The contract a Hugging Face config.json file describes; ManifestError naming the file when it cannot."""
+    from handoff_client._architectures import contract_from_config
+
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{path}: not a readable config.json: {e}") from None
+    try:
+        return contract_from_config(config, **options)
+    except ManifestError as e:
+        raise ManifestError(f"{path}: {e}") from None
+
+
+def _security(args: argparse.Namespace) -> dict:
+    """TLS material and tokens from their files; OSError or ManifestError naming the file when one is amiss."""
+    from .auth import TokenTable
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ManifestError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ManifestError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+    read = lambda path: Path(path).read_bytes() if path else None
+    return {
+        "tls_cert": read(args.tls_cert),
+        "tls_key": read(args.tls_key),
+        "tls_client_ca": read(args.tls_client_ca),
+        "tokens": TokenTable.load(Path(args.tokens)) if args.tokens else None,
+    }
+
+
+def _connection(args: argparse.Namespace) -> dict:
+    """HandoffClient's keyword arguments from the connection flags; OSError or ManifestError naming what is amiss."""
+    if bool(args.tls_client_cert) != bool(args.tls_client_key):
+        raise ManifestError("--tls-client-cert and --tls-client-key go together")
+    read = lambda path: Path(path).read_bytes() if path else None
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    if args.token_file and not token:
+        raise ManifestError(f"{args.token_file}: no token in the file")
+    return {
+        "tls_root_certificates": read(args.tls_ca),
+        "tls_certificate_chain": read(args.tls_client_cert),
+        "tls_private_key": read(args.tls_client_key),
+        "tls_server_name": args.tls_server_name,
+        "token": token,
+    }
+
+
+def hash_token_command(args: argparse.Namespace) -> int:
+    """The sha256 a token file stores for a token read from stdin (so it never sits on a command line)."""
+    from .auth import hash_token
+
+    token = sys.stdin.readline().strip()
+    if not token:
+        print("handoff-broker: no token on stdin", file=sys.stderr)
+        return 2
+    print(hash_token(token))
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    from .app import BrokerConfig, build_server, default_max_bytes
+    from .contracts import default_contracts, load_contracts
+
+    try:
+        contracts = load_contracts(Path(args.contracts)) if args.contracts else {}
+        for value in args.model_config or []:
+            name, _, path = value.rpartition("=")  # NAME=CONFIG.json names the model (vLLM's --served-model-name)
+            contract = _config_contract(Path(path), ctx=args.config_ctx, dtype=args.config_dtype, model=name or None)
+            if contract.model in contracts:
+                raise ManifestError(f"{path}: model: `{contract.model}` is already served")
+            contracts[contract.model] = contract
+        contracts = contracts or default_contracts()
+    except ManifestError as e:
+        print(f"handoff-broker: cannot start: {e}", file=sys.stderr)
+        return 2
+    try:
+        security = _security(args)
+    except (OSError, ManifestError) as e:
+        print(f"handoff-broker: cannot start: {e}", file=sys.stderr)
+        return 2
+    config = BrokerConfig(
+        **security,
+        max_message_bytes=args.max_message_bytes,
+        max_streams_per_connection=args.max_streams_per_connection,
+        push_deadline=args.push_deadline,
+        etcd=args.etcd,
+        advertise=args.advertise,
+        etcd_lease=args.etcd_lease,
+        host=args.host,
+        port=args.port,
+        contracts=contracts,
+        max_bytes=args.max_bytes if args.max_bytes is not None else default_max_bytes(),
+        ttl=args.ttl,
+        lease=args.lease,
+        idle_timeout=args.idle_timeout,
+        resume_window=args.resume_window,
+        trim_after=args.trim_after,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        metrics_host=args.metrics_host,
+        workers=args.workers,
+        keepalive_seconds=args.keepalive,
+        keepalive_timeout_seconds=args.keepalive_timeout,
+    )
+    try:
+        broker, port = build_server(config)
+    except (OSError, RuntimeError) as e:
+        print(f"handoff-broker: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    broker.start()
+    metrics = f"; metrics on :{broker.metrics_port}/metrics" if broker.metrics_port is not None else ""
+    print(
+        f"handoff-broker listening on {broker.address}; max {config.max_bytes} bytes of hand-offs{metrics}", flush=True
+    )
+    stop.wait()
+    logger.info("signal received: draining for up to %ss", args.grace)
+    broker.stop(args.grace)
+    return 0
+
+
+def contract_from_config(args: argparse.Namespace) -> int:
+    """Write the manifest of the model a Hugging Face config.json describes."""
+    try:
+        contract = _config_contract(
+            Path(args.config), ctx=args.ctx, dtype=args.dtype, model=args.model, state_dtype=args.state_dtype,
+            scale=args.scale,
+        )  # fmt: skip
+    except ManifestError as e:
+        print(f"handoff-broker: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(contract.to_json(), indent=2) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+        print(
+            f"{args.output}: {contract.model}, {len(contract.carried)} carried tensors, {contract.nbytes} bytes "
+            f"a hand-off at the full ctx {contract.ctx}, {_short_prompt_bytes(contract)}",
+            file=sys.stderr,
+        )
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def check_contracts(args: argparse.Namespace) -> int:
+    from .contracts import load_contracts
+
+    try:
+        contracts = load_contracts(Path(args.folder))
+    except ManifestError as e:
+        print(f"handoff-broker: {e}", file=sys.stderr)
+        return 2
+    for model, contract in sorted(contracts.items()):
+        print(
+            f"{model}: ctx {contract.ctx}, hidden {contract.hidden}, {len(contract.carried)} carried tensors, "
+            f"{contract.nbytes} bytes per hand-off at the full ctx, {_short_prompt_bytes(contract)}, "
+            f"fingerprint {contract.fingerprint}"
+        )
+        for c in contract.carried:
+            split = f"  {c.heads} heads x {c.head_dim}" if c.heads else ""
+            rows = "  rows are positions" if c.rows_are_positions else ""
+            print(
+                f"  layer {c.layer:>3}  {c.name:<40} {c.rows:>7} x {c.cols:<6} {c.dtype:<14} {c.nbytes:>12} bytes"
+                f"{split}{rows}"
+            )
+    return 0
+
+
+def _short_prompt_bytes(contract: Contract) -> str:
+    """What a hand-off after a short prompt carries, for the reader to compare with the full context's bytes."""
+    tokens = min(1000, contract.ctx - 1)
+    return f"{contract.at(tokens).nbytes} after {tokens} tokens"
+
+
+def health(args: argparse.Namespace) -> int:
+    """Exit 0 when the broker at --target reports SERVING over the gRPC health service (Docker's HEALTHCHECK).
+    The call is made by hand (an empty HealthCheckRequest; the response's field 1, a varint, is the status), so the
+    client-only install can run it."""
+    import grpc
+    from handoff_client._client import make_channel
+
+    tls = _connection(args)
+    tls.pop("token")  # health needs none
+    with make_channel(args.target, **tls) as channel:
+        check = channel.unary_unary(HEALTH_CHECK, request_serializer=bytes, response_deserializer=bytes)
+        try:
+            response = check(b"", timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"{args.target}: {e.code().name}", file=sys.stderr)
+            return 1
+    status = response[1] if response[:1] == b"\x08" and len(response) == 2 else 0  # (every status is one byte)
+    print(f"{args.target}: {SERVING_STATUS.get(status, 'UNKNOWN')}")
+    return 0 if status == 1 else 1
+
+
+def status(args: argparse.Namespace) -> int:
+    """What a live broker holds, read over its GetStatus RPC."""
+    from handoff_client import HandoffClient, HandoffError
+    from handoff_client._wire import contract_from_proto
+
+    with HandoffClient(args.target, **_connection(args)) as client:
+        try:
+            status = client.status(timeout=args.timeout)
+        except HandoffError as e:
+            print(f"{args.target}: {e.message}", file=sys.stderr)
+            return 1
+    held = status.receiving + status.ready + status.claimed
+    print(f"{args.target}: {'DRAINING' if status.draining else 'serving'}")
+    print(
+        f"  hand-offs held: {held} ({status.receiving} receiving, {status.ready} ready, {status.claimed} claimed); "
+        f"oldest {status.oldest_seconds:.1f} s"
+    )
+    share = status.resident_bytes / status.max_bytes if status.max_bytes else 0.0
+    print(
+        f"  bytes: {status.resident_bytes} of {status.max_bytes} ({100 * share:.1f}%); "
+        f"{status.tombstones} recently gone remembered"
+    )
+    for message in status.contracts:
+        contract = contract_from_proto(message)
+        print(
+            f"  contract {contract.model}: ctx {contract.ctx}, {len(contract.carried)} tensors, "
+            f"{contract.nbytes} bytes a hand-off, fingerprint {contract.fingerprint[:16]}"
+        )
+    return 0
+
+
+def traffic(args: argparse.Namespace) -> int:
+    """A demo prefill or decode worker that moves hand-offs of one model continuously (for compose and dashboards):
+    the prefill pushes ids <prefix>-0, -1, ...; the decode pulls the same ids in order."""
+    import time
+
+    from handoff_client import HandoffClient, HandoffError
+
+    from .demo import demo_tensors
+
+    with HandoffClient(args.target, **_connection(args)) as client:
+        contract = None
+        n = 0
+        while args.count is None or n < args.count:
+            try:
+                contract = contract or client.get_contract(args.model)
+                handoff_id = f"{args.prefix}-{n}"
+                if args.role == "prefill":
+                    client.push(args.model, handoff_id, n % contract.ctx, demo_tensors(contract, n))
+                else:
+                    client.pull(args.model, handoff_id, timeout=30)
+                n += 1
+            except HandoffError as e:
+                logger.warning("%s %s: %s", args.role, args.model, e.message)
+                if args.count is not None:
+                    return 1
+                time.sleep(1.0)
+            time.sleep(args.interval)
+    print(f"{args.role}: {n} hand-offs of {args.model}")
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
