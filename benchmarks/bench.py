@@ -16,7 +16,9 @@ verified at the consumer (CRC32C against the producer's). Paths:
                   raw bytes (no protobuf), forwarded untouched as they arrive, no checks, no checksums; the ceiling
                   for any design that keeps gRPC streams through Python
     handoff       handoff-broker end to end: a pusher process, the broker, a puller process, the client library;
-                  the pull is made before the push, so the broker streams the push through as it is checked
+                  the pull is made before the push, so the broker streams the push through as it is checked; the
+                  bytes on the gRPC streams (lanes=False)
+    handoff lane  the same with the bytes on the broker's TCP lane (docs/lanes.md), every frame checked the same
     grpc floor    (latency only) handoff's three calls - a 2-message client stream, a 3-message server stream, a
                   unary confirm - carrying the same bytes to a server that does nothing: what grpcio itself costs
     grpc 1 call   (latency only) one empty unary call to that server: what grpcio costs per call on this machine
@@ -418,10 +420,10 @@ def _chunk_bytes() -> int:
     return int(os.environ.get("BENCH_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
 
 
-def role_handoff_producer(target: str, model: str, key: str) -> None:
+def role_handoff_producer(target: str, model: str, key: str, path: str = "stream") -> None:
     from handoff_client import HandoffClient
 
-    with HandoffClient(target, chunk_bytes=_chunk_bytes()) as client:
+    with HandoffClient(target, chunk_bytes=_chunk_bytes(), lanes=path == "lane") as client:
         tensors = _tensors(client.get_contract(model))
         t0 = time.monotonic()
         client.push(model, key, 1, tensors)
@@ -438,10 +440,10 @@ def _caches(contract) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     return out, into
 
 
-def role_handoff_consumer(target: str, model: str, key: str) -> None:
+def role_handoff_consumer(target: str, model: str, key: str, path: str = "stream") -> None:
     from handoff_client import HandoffClient
 
-    with HandoffClient(target) as client:
+    with HandoffClient(target, lanes=path == "lane") as client:
         out, into = _caches(client.get_contract(model))
         print("ready", flush=True)
         pulled = client.pull_tensors(model, key, timeout=120, into=into)
@@ -724,10 +726,11 @@ class Bench:
                 process.kill()
 
     def throughput(self, label: str, model: str, nbytes: int) -> None:
-        rows: dict[str, list] = {"memcpy x2": [], "tcp relay": [], "naive grpc": [], "tuned grpc": [], "handoff": []}
+        rows: dict[str, list] = {"memcpy x2": [], "tcp relay": [], "naive grpc": [], "tuned grpc": [], "handoff": [],
+                                 "handoff lane": []}  # fmt: skip
         if self.redis_port:
             rows["redis relay"] = []
-        extra: dict[str, list] = {"cpu_s_per_gib": [], "first_layer_fraction": []}
+        extra: dict[str, list] = {"cpu_s_per_gib": [], "cpu_s_per_gib_lane": [], "first_layer_fraction": []}
         port_file = self.workdir / f"tcp-{label}.port"
         relay = _spawn("tcp-relay", port_file, self.runs)
         tcp_port = _port_from(port_file)
@@ -756,14 +759,17 @@ class Bench:
                 rows["redis relay"].append(
                     _relay_run(_spawn("redis-producer", self.redis_port, nbytes, key), consumer, nbytes)["seconds"]
                 )
-            consumer = _spawn("handoff-consumer", self.target, model, key)
-            _wait_ready(consumer)
-            time.sleep(0.1)  # the pull is waiting at the broker before the push starts
-            cpu = _cpu_seconds(self.broker.pid)
-            r = _relay_run(_spawn("handoff-producer", self.target, model, key), consumer, nbytes)
-            rows["handoff"].append(r["seconds"])
-            extra["cpu_s_per_gib"].append((_cpu_seconds(self.broker.pid) - cpu) / (nbytes / (1 << 30)))
-            extra["first_layer_fraction"].append((r["t_first"] - r["t0"]) / (r["t_end"] - r["t0"]))
+            for path, name, cpu_key in (("stream", "handoff", "cpu_s_per_gib"), ("lane", "handoff lane",
+                                                                                 "cpu_s_per_gib_lane")):  # fmt: skip
+                consumer = _spawn("handoff-consumer", self.target, model, f"{key}-{path}", path)
+                _wait_ready(consumer)
+                time.sleep(0.1)  # the pull is waiting at the broker before the push starts
+                cpu = _cpu_seconds(self.broker.pid)
+                r = _relay_run(_spawn("handoff-producer", self.target, model, f"{key}-{path}", path), consumer, nbytes)
+                rows[name].append(r["seconds"])
+                extra[cpu_key].append((_cpu_seconds(self.broker.pid) - cpu) / (nbytes / (1 << 30)))
+                if path == "stream":
+                    extra["first_layer_fraction"].append((r["t_first"] - r["t0"]) / (r["t_end"] - r["t0"]))
         relay.wait(timeout=30)
         tcp, tuned = statistics.median(rows["tcp relay"]), statistics.median(rows["tuned grpc"])
         self.results["throughput"][label] = {
@@ -777,6 +783,7 @@ class Bench:
                 for name, times in rows.items()
             },
             "broker_cpu_s_per_gib": statistics.median(extra["cpu_s_per_gib"]),
+            "broker_cpu_s_per_gib_lane": statistics.median(extra["cpu_s_per_gib_lane"]),
             "pipelined_first_layer_at": statistics.median(extra["first_layer_fraction"]),
         }
 
@@ -950,7 +957,8 @@ def report(results: dict) -> str:
                 f"  {name:<14} {figures['mib_s']:>10.0f}    {figures['vs_tcp']:>6.2f}       {figures['vs_tuned_grpc']:>6.2f}"
             )
         lines.append(
-            f"  broker CPU: {row['broker_cpu_s_per_gib']:.2f} s per GiB moved; pipelined pull had its first "
+            f"  broker CPU: {row['broker_cpu_s_per_gib']:.2f} s per GiB moved on the streams, "
+            f"{row['broker_cpu_s_per_gib_lane']:.2f} on the lane; pipelined pull had its first "
             f"tensor at {100 * row['pipelined_first_layer_at']:.1f}% of the push's duration"
         )
     if "prompts" in results:

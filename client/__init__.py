@@ -13,10 +13,10 @@ from ._client import (
     DEFAULT_TIMEOUT,
     NO_RETRY,
     HandoffClient,
-    PulledTensors,
     PushResult,
     RetryPolicy,
 )
+from ._pulls import PulledTensors
 from ._allocator import tune_allocator
 from ._contract import Carried, Contract, Handoff, ManifestError
 from ._fleet import FleetClient

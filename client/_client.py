@@ -19,7 +19,6 @@ the broker's own dependencies.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -28,28 +27,30 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from ._contract import Carried, Contract, Handoff, TensorSpans, check_array, cut_to_filled
-from ._errors import (
-    AlreadyClaimed,
-    BadChunk,
-    BrokerBusy,
-    BrokerUnavailable,
-    CallCancelled,
-    DigestMismatch,
-    FingerprintMismatch,
-    HandoffError,
-    MalformedRequest,
-    MissingTensor,
-    PushAborted,
-    UnknownHandoff,
-    WrongLayout,
-    from_rpc_error,
+from ._calls import (
+    CHANNEL_OPTIONS,
+    DEFAULT_RETRY,
+    MAX_MESSAGE_BYTES,
+    NO_RETRY,
+    RetryPolicy,
+    make_channel,
+    retryable_pull,
+    retryable_push,
 )
+from ._contract import Contract, Handoff, cut_to_filled
+from ._errors import FingerprintMismatch, HandoffError, LaneBroken, UnknownHandoff, from_rpc_error
 from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
-from ._frames import ChunkFrame, crc32c, encode_chunk, handoff_digest
-from ._shards import Shard, as_shard, view
+from ._frames import crc32c, encode_chunk
+from ._lane import LaneClosed, LaneUnreachable, lane_host, new_capability, open_lane, send_end, send_frame
 from ._proto import handoff_pb2 as pb
+from ._pulls import PullAttempts, PulledTensors, destinations
+from ._shards import Shard, as_shard, view
 from ._wire import contract_from_proto, decode_pull_response, identity, message_classes, method_path, shard_to_proto
+
+__all__ = [  # (the names other modules and tests import from here)
+    "CHANNEL_OPTIONS", "DEFAULT_CHUNK_BYTES", "DEFAULT_RETRY", "DEFAULT_TIMEOUT", "MAX_MESSAGE_BYTES", "NO_RETRY",
+    "HandoffClient", "PushResult", "RetryPolicy", "make_channel", "retryable_pull", "retryable_push",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -63,55 +64,9 @@ default settings reads every frame."""
 DEFAULT_TIMEOUT = 60.0
 """Seconds a call may take, end to end, unless the caller says otherwise."""
 
-MAX_MESSAGE_BYTES = 64 << 20
-"""The largest message either side accepts: a chunk of up to this size minus its few header bytes."""
-
-CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-)
-
-
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How the client retries what is safe to retry: exponential backoff with jitter, a bounded number of attempts,
-    and never past the call's own timeout.
-
-    Safe: a push that met UNAVAILABLE (the broker drops a broken push at once, and a repeat of a committed one is
-    recognised byte for byte and changes nothing); a pull whose stream broke or whose push was aborted (the claim
-    goes back to the pool); a confirm (idempotent for its claim); a call refused as BROKER_BUSY (it took nothing).
-    Never retried: anything else the broker refused.
-    """
-
-    attempts: int = 4
-    initial_backoff: float = 0.05
-    max_backoff: float = 1.0
-    multiplier: float = 2.0
-
-    def delays(self) -> Iterator[float]:
-        delay = self.initial_backoff
-        for _ in range(self.attempts - 1):
-            yield random.uniform(delay / 2, delay)
-            delay = min(delay * self.multiplier, self.max_backoff)
-
-
-DEFAULT_RETRY = RetryPolicy()
-NO_RETRY = RetryPolicy(attempts=1)
-
-
-def retryable_push(error: HandoffError) -> bool:
-    """A push is retried only when the broker could not be reached (and is not draining: go elsewhere) or was at
-    its limit of concurrent work (it took nothing)."""
-    return type(error) in (BrokerUnavailable, BrokerBusy)
-
-
-def retryable_pull(error: HandoffError) -> bool:
-    """A pull is retried when its stream broke or its push was aborted: the hand-off is, or will be, there again;
-    or when the broker was at its limit of concurrent work."""
-    return type(error) in (BrokerUnavailable, BrokerBusy, CallCancelled, PushAborted)
+Held = dict[str, list[tuple[int, int]]] | None
+"""Byte ranges of each tensor the broker already holds of a push being resumed (None: a whole push)."""
 
 
 @dataclass(frozen=True)
@@ -153,16 +108,22 @@ class HandoffClient:
         tls_certificate_chain: bytes | None = None,
         tls_private_key: bytes | None = None,
         tls_server_name: str | None = None,
+        lanes: bool = True,
     ) -> None:
         """`token` is sent as `authorization: Bearer <token>` on every call. The tls_* arguments (PEM bytes) make
         the channel TLS: the CA to trust, and for mutual TLS this client's certificate and key; `tls_server_name`
-        overrides the name checked against the broker's certificate. `credentials` takes any other gRPC kind."""
+        overrides the name checked against the broker's certificate. `credentials` takes any other gRPC kind.
+        `lanes=False` keeps every hand-off's bytes on the gRPC streams even where the broker offers a TCP lane
+        (docs/lanes.md), which large hand-offs otherwise take."""
         if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_MESSAGE_BYTES - 1024}, got {chunk_bytes}")
         self.target = target
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
         self.retry = retry
+        self.lanes = lanes
+        self._lane_offer: pb.Lane | None = None
+        self._lanes_asked = False
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._channel = make_channel(
             target, CHANNEL_OPTIONS + tuple(options), credentials, tls_root_certificates=tls_root_certificates,
@@ -177,6 +138,7 @@ class HandoffClient:
             unary("GetPushProgress"),
             unary("CancelHandoff"),
         )
+        self._get_lanes = unary("GetLanes")
         # The two streams carry chunk frames, encoded and decoded by hand (_frames.py).
         self._push = self._channel.stream_unary(
             method_path("PushHandoff"), request_serializer=identity, response_deserializer=pb.PushResponse.FromString
@@ -258,7 +220,7 @@ class HandoffClient:
         contract = view(self.get_contract(model).at(position), part, pushing=True)
         handoff = contract.take(position, cut_to_filled(contract, tensors))
 
-        def header(resume: bool) -> bytes:
+        def header(resume: bool, lane_capability: bytes = b"") -> bytes:
             message = pb.PushHeader(
                 model=model,
                 handoff_id=handoff_id,
@@ -269,16 +231,26 @@ class HandoffClient:
                 resumable=resumable,
                 resume=resume,
                 shard=shard_to_proto(part),
+                lane_capability=lane_capability,
             )
             return pb.PushRequest(header=message).SerializeToString()
 
-        attempts = [0]
+        attempts, lane_broke = [0], [False]
 
         def attempt(remaining: float) -> pb.PushResponse:
             attempts[0] += 1
             held = self._held(model, handoff_id, remaining, part) if resumable and attempts[0] > 1 else None
-            frames = self._push_frames(contract, header(resume=held is not None), handoff, held)
-            return self._call(self._push, frames, remaining)
+            lane = None if lane_broke[0] else self.lane(contract.nbytes)
+            if lane is None:
+                frames = self._push_frames(contract, header(resume=held is not None), handoff, held)
+                return self._call(self._push, frames, remaining)
+            capability = new_capability()
+            try:
+                return self._push_on_lane(lane, capability, header(held is not None, capability), contract, handoff,
+                                          held, remaining)  # fmt: skip
+            except LaneBroken:
+                lane_broke[0] = True  # the retry goes on the stream
+                raise
 
         response = self._with_retries(attempt, retryable_push, timeout)
         ticket = make_ticket(self.target, model, handoff_id, contract.fingerprint)
@@ -312,16 +284,63 @@ class HandoffClient:
             return None  # it committed after all: a whole repeat is recognised byte for byte and changes nothing
         return {t.tensor: [(r.offset, r.length) for r in t.received] for t in progress.tensors}
 
-    def _push_frames(
-        self, contract: Contract, header: bytes, handoff: Handoff, held: dict[str, list[tuple[int, int]]] | None
-    ) -> Iterator[bytes]:
+    def _push_frames(self, contract: Contract, header: bytes, handoff: Handoff, held: Held) -> Iterator[bytes]:
         yield header
-        for carried in contract.carried:
+        for _, name, offset, data in self._chunks(contract, handoff, held):
+            yield encode_chunk(name, offset, data)
+
+    def _push_on_lane(
+        self, lane: pb.Lane, capability: bytes, header: bytes, contract: Contract, handoff: Handoff, held: Held,
+        timeout: float,
+    ) -> pb.PushResponse:  # fmt: skip
+        """The push's header on the stream and its chunks on the lane; the broker's answer on the stream."""
+        call = self._push.future(iter((header,)), timeout=timeout, metadata=self._metadata)
+        host = lane_host(lane.host, self.target)
+        try:
+            sock = open_lane(host, lane.port, capability, timeout, call_ended=call.done)
+        except LaneUnreachable as e:
+            call.cancel()
+            raise LaneBroken(contract.model, f"the broker's lane: {e}") from None
+        except (LaneClosed, OSError):
+            sock = None  # the broker closed it: the call says why
+        if sock is not None:
+            with sock:
+                try:
+                    for index, _, offset, data in self._chunks(contract, handoff, held):
+                        send_frame(sock, index, offset, data, crc32c(data))
+                    send_end(sock)
+                except OSError:
+                    pass  # the broker ended the lane: the call says why
+        try:
+            return call.result()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def _chunks(self, contract: Contract, handoff: Handoff, held: Held) -> Iterator[tuple[int, str, int, memoryview]]:
+        """(tensor index, name, offset, bytes) of each chunk to send: every `chunk_bytes` of what `held` leaves out."""
+        for index, carried in enumerate(contract.carried):
             array = np.ascontiguousarray(handoff.state[carried.name])
             payload = memoryview(array.reshape(-1).view(np.uint8))
             for start, end in _missing(carried.nbytes, (held or {}).get(carried.name, [])):
                 for offset in range(start, end, self.chunk_bytes):
-                    yield encode_chunk(carried.name, offset, payload[offset : min(offset + self.chunk_bytes, end)])
+                    yield index, carried.name, offset, payload[offset : min(offset + self.chunk_bytes, end)]
+
+    def lane(self, nbytes: int | None = None) -> pb.Lane | None:
+        """The broker's TCP lane, if it offers one and this client takes lanes (asked once; a broker that does not
+        know GetLanes offers none); None also for a hand-off of `nbytes` below the lane's `min_bytes`."""
+        if not self.lanes:
+            return None
+        if not self._lanes_asked:
+            try:
+                response = self._get_lanes(pb.LanesRequest(), timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    return None  # not known now: this call goes on the stream, and the next one asks again
+                response = pb.LanesResponse()
+            self._lane_offer = next((lane for lane in response.lanes if lane.kind == pb.LANE_KIND_TCP), None)
+            self._lanes_asked = True
+        offer = self._lane_offer
+        return offer if offer is not None and (nbytes is None or nbytes >= offer.min_bytes) else None
 
     # -- decode side --------------------------------------------------------------------------------------------------
 
@@ -356,7 +375,7 @@ class HandoffClient:
             if fields["f"] != contract.fingerprint:
                 raise FingerprintMismatch(model, contract.fingerprint, fields["f"])
 
-        attempts = _PullAttempts(self, model, handoff_id, as_shard(model, shard), into, wait_for_push)
+        attempts = PullAttempts(self, model, handoff_id, as_shard(model, shard), into, wait_for_push)
         return self._with_retries(attempts.run, attempts.retryable, timeout)
 
     def pull_tensors(
@@ -369,6 +388,7 @@ class HandoffClient:
         shard: Shard | tuple[int, int] | None = None,
         into: Mapping[str, np.ndarray] | None = None,
         wait_for_push: float | None = None,
+        lanes: bool = True,
     ) -> PulledTensors:
         """Claim the hand-off and yield `(carried, array)` as each tensor arrives whole, for a decoder that starts
         on layer 0 while later layers are still on the wire (the broker streams a push still under way).
@@ -377,7 +397,8 @@ class HandoffClient:
         against the digest of a push that passed every check, and the claim been confirmed (`.handoff` is then
         the whole hand-off). If it raises — PushAborted when the push failed — discard what was yielded.
         Not retried: the caller has already seen part of it. `shard` and `into` as for `pull`; the arrays yielded
-        are of the filled shape, as `pull` returns them.
+        are of the filled shape, as `pull` returns them. `lanes=False`: the chunks on the stream, even where the
+        broker offers a lane.
         """
         part = as_shard(model, shard)
         declared = self.get_contract(model)
@@ -389,10 +410,11 @@ class HandoffClient:
             supersedes=supersedes,
             shard=wire_shard,
             wait_seconds=wait_for_push or 0.0,
+            lane_capability=new_capability() if lanes and self.lane() is not None else b"",
         )
-        arrays = _destinations(view(declared, part, pushing=False), into)  # checked before the claim
+        arrays = destinations(view(declared, part, pushing=False), into)  # checked before the claim
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)
-        return PulledTensors(self, declared, part, handoff_id, stream, deadline, arrays)
+        return PulledTensors(self, declared, part, handoff_id, stream, deadline, arrays, request.lane_capability)
 
     def _confirm_claim(
         self, model: str, handoff_id: str, claim: int, timeout: float, shard: pb.Shard | None = None
@@ -430,45 +452,6 @@ class HandoffClient:
                 time.sleep(delay)
 
 
-def make_channel(
-    target: str,
-    options: tuple[tuple[str, object], ...] = (),
-    credentials: grpc.ChannelCredentials | None = None,
-    *,
-    tls_root_certificates: bytes | None = None,
-    tls_certificate_chain: bytes | None = None,
-    tls_private_key: bytes | None = None,
-    tls_server_name: str | None = None,
-) -> grpc.Channel:
-    """A channel to `target`: TLS when given a CA or a client certificate (PEM bytes; mutual TLS with both), or
-    `credentials` of any other kind; plaintext otherwise. `tls_server_name` overrides the name checked against the
-    broker's certificate."""
-    if tls_server_name:
-        options += (("grpc.ssl_target_name_override", tls_server_name),)
-    if credentials is None and (tls_root_certificates or tls_certificate_chain):
-        credentials = grpc.ssl_channel_credentials(tls_root_certificates, tls_private_key, tls_certificate_chain)
-    if credentials is None:
-        return grpc.insecure_channel(target, options=options)
-    return grpc.secure_channel(target, credentials, options=options)
-
-
-def _destinations(contract: Contract, into: Mapping[str, np.ndarray] | None) -> list[np.ndarray] | None:
-    """The caller's arrays for a pull, in contract order, each checked to take its tensor's bytes in place."""
-    if into is None:
-        return None
-    arrays = []
-    for carried in contract.carried:
-        array = into.get(carried.name)
-        if array is None:
-            raise MissingTensor(contract.model, carried.name)
-        check_array(contract.model, carried, array)
-        if not (array.flags.c_contiguous and array.flags.writeable):
-            raise WrongLayout(contract.model, carried.name, carried.layout(), "an array that is not C-contiguous "
-                              "and writable, which the pull cannot fill in place")  # fmt: skip
-        arrays.append(array)
-    return arrays
-
-
 def _missing(size: int, held: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
     """The [start, end) ranges of [0, size) that the sorted, disjoint `held` (offset, length) ranges leave out."""
     at = 0
@@ -478,128 +461,3 @@ def _missing(size: int, held: list[tuple[int, int]]) -> Iterator[tuple[int, int]
         at = max(at, offset + length)
     if at < size:
         yield at, size
-
-
-class _PullAttempts:
-    """Successive attempts at one pull. A retry names the claim its broken predecessor held, so the broker hands it
-    over at once; and after a break, ALREADY_CLAIMED may be that very claim, not yet noticed dead: retry it too."""
-
-    def __init__(
-        self,
-        client: HandoffClient,
-        model: str,
-        handoff_id: str,
-        shard: Shard,
-        into: Mapping[str, np.ndarray] | None,
-        wait_for_push: float | None,
-    ) -> None:
-        self.client = client
-        self.model = model
-        self.handoff_id = handoff_id
-        self.shard = shard
-        self.into = into
-        self.wait_for_push = wait_for_push
-        self.claim = 0
-        self.broke = False
-
-    def run(self, timeout: float) -> Handoff:
-        tensors = self.client.pull_tensors(self.model, self.handoff_id, timeout=timeout, supersedes=self.claim,
-                                           shard=self.shard, into=self.into, wait_for_push=self.wait_for_push)  # fmt: skip
-        try:
-            for _ in tensors:
-                pass
-            return tensors.handoff
-        except HandoffError as e:
-            self.broke = self.broke or retryable_pull(e)
-            raise
-        finally:
-            self.claim = tensors.claim or self.claim
-
-    def retryable(self, error: HandoffError) -> bool:
-        return retryable_pull(error) or (self.broke and isinstance(error, AlreadyClaimed))
-
-
-class PulledTensors:
-    """One pull's stream: iterate for `(carried, array)` as each tensor completes; then `.handoff`, confirmed."""
-
-    def __init__(
-        self,
-        client: HandoffClient,
-        declared: Contract,
-        shard: Shard,
-        handoff_id: str,
-        stream: Iterator,
-        timeout: float,
-        arrays: list[np.ndarray] | None = None,
-    ) -> None:
-        self._client = client
-        self._declared = declared
-        self._shard = shard
-        self._arrays = arrays
-        self._handoff_id = handoff_id
-        self._stream = stream
-        self._timeout = timeout
-        self._handoff: Handoff | None = None
-        self.claim = 0
-        """The claim's generation, once the header has come."""
-
-    @property
-    def handoff(self) -> Handoff:
-        """The whole hand-off; available once iteration has ended normally (and the claim is confirmed)."""
-        if self._handoff is None:
-            raise RuntimeError("the pull has not been iterated to its end")
-        return self._handoff
-
-    def __iter__(self) -> Iterator[tuple[Carried, np.ndarray]]:
-        try:
-            header, handoff = yield from self._receive()
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        except BaseException:
-            self._stream.cancel()  # the broker returns the claim at once, for the next pull
-            raise
-        model, shard = self._declared.model, shard_to_proto(self._shard)
-        self._client._confirm_claim(model, self._handoff_id, header.claim, self._timeout, shard)
-        self._handoff = handoff
-
-    def _receive(self) -> Iterator[tuple[Carried, np.ndarray]]:
-        model, stream = self._declared.model, self._stream
-        header = next(stream, None)
-        if not isinstance(header, pb.PullHeader):
-            raise MalformedRequest("the broker's pull stream did not start with a header", model)
-        self.claim = header.claim
-        if header.fingerprint != self._declared.fingerprint:
-            raise FingerprintMismatch(model, header.fingerprint, self._declared.fingerprint)
-        contract = view(self._declared.at(header.position), self._shard, pushing=False)
-        if self._arrays is None:
-            arrays = [np.empty(c.shape, c.numpy_dtype) for c in contract.carried]
-        else:  # the caller's cache arrays: the filled rows of each, a contiguous view
-            arrays = [a[: c.rows] if c.cache_rows else a for c, a in zip(contract.carried, self._arrays)]
-        flats = [a.reshape(-1).view(np.uint8) for a in arrays]
-        spans = [TensorSpans(model, c) for c in contract.carried]
-        for carried, array in zip(contract.carried, arrays):
-            if carried.nbytes == 0:  # no rows filled yet (position 0): whole without a chunk
-                yield carried, array
-        entries: list[tuple[int, int, int, int]] = []
-        for message in stream:
-            if isinstance(message, ChunkFrame):
-                index = contract.index(message.tensor)
-                length = len(message.data)
-                spans[index].add(message.offset, length)
-                if crc32c(message.data) != message.crc32c:
-                    raise BadChunk(model, message.tensor, message.offset, length, "fails its CRC32C on arrival")
-                flats[index][message.offset : message.offset + length] = np.frombuffer(message.data, np.uint8)
-                entries.append((index, message.offset, length, message.crc32c))
-                if spans[index].complete:
-                    yield contract.carried[index], arrays[index]
-            elif isinstance(message, pb.PullEnd):
-                for tensor_spans in spans:
-                    tensor_spans.check_complete()
-                got = handoff_digest(entries)
-                if got != message.digest:
-                    raise DigestMismatch(model, self._handoff_id, message.digest, got)
-                state = {c.name: a for c, a in zip(contract.carried, arrays)}
-                return header, Handoff(header.position, state)
-            else:
-                raise MalformedRequest("the broker's pull stream sent a second header", model)
-        raise MalformedRequest("the broker's pull stream ended without its end message", model)

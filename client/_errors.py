@@ -27,7 +27,8 @@
     ├── MessageTooLarge               a message over the broker's limit                  RESOURCE_EXHAUSTED
     ├── BrokerBusy                    at its limit of open streams or waiting calls      RESOURCE_EXHAUSTED
     ├── BrokerUnavailable             the broker cannot be reached                       UNAVAILABLE
-    │   └── Draining                  the broker is shutting down; go elsewhere
+    │   ├── Draining                  the broker is shutting down; go elsewhere
+    │   └── LaneBroken                the call's lane was not opened in time, or broke
     ├── CallCancelled                                                                    CANCELLED
     │   └── HandoffCancelled          the router cancelled the hand-off
     ├── PushAborted                   the push a pull was streaming failed; discard it   ABORTED
@@ -439,6 +440,17 @@ class Draining(BrokerUnavailable):
 
     def __init__(self) -> None:
         super().__init__("the broker is draining and takes no new hand-offs or claims; use another broker")
+
+
+class LaneBroken(BrokerUnavailable):
+    """The call's lane (docs/lanes.md) was not opened within its wait, or broke, or went silent: the call ended as a
+    broken stream does (a pull's claim returned at once; a push freed, or kept for its resume if resumable). The
+    client retries on the stream."""
+
+    reason = "LANE_BROKEN"
+
+    def __init__(self, model: str, why: str) -> None:
+        super().__init__(f"{model}: {why}", model=model)
 
 
 class CallCancelled(HandoffError):

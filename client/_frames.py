@@ -79,6 +79,12 @@ def encode_chunk(tensor: str, offset: int, data: bytes | memoryview, crc: int | 
     """
     if crc is None:
         crc = crc32c(data)
+    return b"".join((chunk_prefix(tensor, offset, len(data), crc), data))
+
+
+def chunk_prefix(tensor: str, offset: int, length: int, crc: int) -> bytes:
+    """The bytes of a chunk's frame (`encode_chunk`) that come before its `length` bytes of data: a receiver that
+    knows them may read the data straight into place after them, and has the whole frame without a copy."""
     name = tensor.encode()
     head = bytearray()
     if name:
@@ -87,11 +93,9 @@ def encode_chunk(tensor: str, offset: int, data: bytes | memoryview, crc: int | 
         head += bytes((_OFFSET_TAG,)) + _varint(offset)
     if crc:
         head += bytes((_CRC_TAG,)) + _FIXED32.pack(crc)
-    length = len(data)
     if length:
         head += bytes((_DATA_TAG,)) + _varint(length)
-    outer = bytes((_OUTER_CHUNK_TAG,)) + _varint(len(head) + length)
-    return b"".join((outer, head, data))
+    return bytes((_OUTER_CHUNK_TAG,)) + _varint(len(head) + length) + bytes(head)
 
 
 def decode_chunk(frame: bytes) -> ChunkFrame | None:

@@ -31,6 +31,7 @@ from .registry import EtcdRegistration
 from .rpc import rpc_handler
 from .service import HandoffBrokerServicer
 from .store import Store, StoreConfig, StoreStats
+from .lanes import LaneListener
 from .watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ ALLOCATOR_ARENAS = 1
 """glibc arenas for the whole broker: one heap, so the pages freed by any thread serve the next frame of any other,
 and trimming it when the broker goes idle hands back everything (measured: with more arenas, tens of MiB stayed)."""
 DEFAULT_WORKERS = 256
+DEFAULT_LANE_MIN_BYTES = 1 << 20
+"""Below this a hand-off goes on the stream: opening a lane's connection costs more than the lane saves."""
 """Threads serving calls: each open stream, and each pull waiting for its push, holds one."""
 
 
@@ -102,6 +105,13 @@ class BrokerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_streams_per_connection: int = 100
     push_deadline: float = 600.0
+    # The TCP lane for bulk bytes (docs/lanes.md): on unless turned off, and never offered while the broker serves
+    # TLS (the lane is not encrypted yet). Its port (0: any free one), the host clients should connect to (empty:
+    # the one they reached the broker at), and the smallest hand-off moved on it.
+    lanes: bool = True
+    lane_port: int = 0
+    lane_advertise_host: str = ""
+    lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES
 
 
 class Broker:
@@ -146,6 +156,8 @@ class Broker:
         ]
         self.admission = Admission.for_workers(config.workers)
         self.watchdog = Watchdog()
+        offer_lanes = config.lanes and config.tls_cert is None
+        self.lanes = LaneListener(config.host, config.lane_port, config.lane_advertise_host) if offer_lanes else None
         servicer = HandoffBrokerServicer(
             self.store,
             self.metrics,
@@ -153,6 +165,8 @@ class Broker:
             self.watchdog,
             max_message_bytes=config.max_message_bytes,
             idle_timeout=config.idle_timeout,
+            lanes=self.lanes,
+            lane_min_bytes=config.lane_min_bytes,
         )
         interceptors = [AuthInterceptor(config.tokens, servicer._count_refusal)] if config.tokens else []
         self.server = grpc.server(
@@ -191,6 +205,9 @@ class Broker:
             logger.info("metrics on http://%s:%d/metrics", _bracketed(host), self.metrics_port)
         self.store.on_idle = trim
         self.store.start()
+        if self.lanes is not None:
+            self.lanes.start()
+            logger.info("TCP lane on %s:%d", _bracketed(self.config.host), self.lanes.port)
         self.server.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -230,6 +247,8 @@ class Broker:
         self.store.drain()
         self.store.settled(grace)
         self.server.stop(0.2).wait()
+        if self.lanes is not None:
+            self.lanes.close()
         self.watchdog.stop()
         self.store.close()
         if self._metrics_server is not None:

@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import tomllib
+from collections.abc import Callable
 
 from handoff_client._contract import ManifestError
 
@@ -82,6 +83,8 @@ class _EnvDefaults(argparse.ArgumentParser):
             variable = ENV_PREFIX + flag[2:].replace("-", "_").upper()
             if variable in os.environ:
                 kind = kwargs.get("type", str)
+                if kwargs.get("action") in ("store_true", "store_false"):  # a switch: HANDOFF_NO_LANES=1 sets it
+                    kind = _switch(kwargs["action"] == "store_true")
                 try:
                     kwargs["default"] = kind(os.environ[variable])  # type: ignore[operator]
                 except (ValueError, argparse.ArgumentTypeError) as e:  # said if this command runs, not otherwise
@@ -89,6 +92,18 @@ class _EnvDefaults(argparse.ArgumentParser):
                     self.set_defaults(env_errors=self.env_errors)
             kwargs["help"] = f"{kwargs.get('help', '')} [env {variable}]"
         return super().add_argument(*names, **kwargs)
+
+
+def _switch(set_means: bool) -> Callable[[str], bool]:
+    """How a switch's environment variable reads: 1/true/yes/on set the switch, 0/false/no/off leave it unset."""
+
+    def parse(text: str) -> bool:
+        word = text.strip().lower()
+        if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError("a switch is 1/true/yes/on or 0/false/no/off")
+        return set_means if word in ("1", "true", "yes", "on") else not set_means
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--etcd", metavar="URL", help="join a fleet: register in etcd://host:port/prefix with a lease")
     serve.add_argument("--advertise", metavar="HOST:PORT", help="the address to register (default: --host:--port)")
     serve.add_argument("--etcd-lease", type=int, default=5, help="seconds the etcd lease outlives a dead broker (5)")
+    serve.add_argument("--no-lanes", dest="lanes", action="store_false",
+                       help="offer no TCP lane: every byte on the gRPC streams")  # fmt: skip
+    serve.add_argument("--lane-port", type=int, default=0, help="the TCP lane's port (0: any free one)")
+    serve.add_argument("--lane-advertise-host", default="",
+                       help="the host clients open lanes to (default: the one they reached the broker at)")  # fmt: skip
+    serve.add_argument("--lane-min-bytes", type=_parse_bytes, default=1 << 20,
+                       help="the smallest hand-off moved on the lane; smaller ones stay on the streams (1MiB)")  # fmt: skip
     serve.add_argument("--keepalive", type=float, default=20.0, help="seconds between HTTP/2 pings on idle links (20)")
     serve.add_argument("--keepalive-timeout", type=float, default=10.0, help="seconds a ping may go unanswered (10)")
     serve.set_defaults(run=commands.serve)

@@ -123,6 +123,10 @@ def serve(args: argparse.Namespace) -> int:
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         metrics_host=args.metrics_host,
         workers=args.workers,
+        lanes=args.lanes,
+        lane_port=args.lane_port,
+        lane_advertise_host=args.lane_advertise_host,
+        lane_min_bytes=args.lane_min_bytes,
         keepalive_seconds=args.keepalive,
         keepalive_timeout_seconds=args.keepalive_timeout,
     )

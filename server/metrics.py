@@ -52,6 +52,12 @@ class Metrics:
         self.bytes_out = Counter(
             "handoff_sent_bytes_total", "Tensor bytes sent in pulls.", ["model"], registry=registry
         )
+        self.lane_bytes = Counter(
+            "handoff_lane_bytes_total",
+            "Tensor bytes moved on a TCP lane instead of a stream (of those received and sent), by kind (push: received, pull: sent).",
+            ["model", "kind"],
+            registry=registry,
+        )
         self.confirms = Counter(
             "handoff_confirms_total", "Hand-offs confirmed by their decoder.", ["model"], registry=registry
         )

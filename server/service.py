@@ -16,6 +16,7 @@ from handoff_client._errors import (
     MAX_FIELD_CHARS,
     BrokerBusy,
     HandoffError,
+    LaneBroken,
     MalformedRequest,
     MessageTooLarge,
     WaitTimedOut,
@@ -31,6 +32,8 @@ from handoff_client._wire import (
 
 from .admission import Admission
 from .auth import authorize_model, may_see
+from .lane_calls import LaneCall, received_chunks, send_chunks, send_lane_end
+from .lanes import LaneListener
 from .metrics import Metrics
 from .rpc import mapped, mapped_stream
 from .store import Claim, Store
@@ -65,6 +68,8 @@ class HandoffBrokerServicer:
         *,
         max_message_bytes: int = 64 << 20,
         idle_timeout: float = 30.0,
+        lanes: LaneListener | None = None,
+        lane_min_bytes: int = 0,
     ) -> None:
         self.store = store
         self.metrics = metrics
@@ -72,6 +77,8 @@ class HandoffBrokerServicer:
         self.watchdog = watchdog
         self.max_message_bytes = max_message_bytes
         self.idle_timeout = idle_timeout
+        self.lanes = lanes
+        self.lane_min_bytes = lane_min_bytes
 
     def _model_label(self, model: str | None) -> str:
         """A model label from the fixed set served; anything a caller made up is "unknown" (bounded cardinality)."""
@@ -113,6 +120,18 @@ class HandoffBrokerServicer:
             why = header.why if isinstance(header, Malformed) else "a push must start with its header"
             raise MalformedRequest(why)
         authorize_model(header.model)
+        lane = None
+        if header.lane_capability:
+            if self.lanes is None:
+                raise LaneBroken(header.model, "this broker offers no lane (GetLanes lists none): push on the stream")
+            lane = LaneCall(self.lanes, header.lane_capability, header.model)
+            context.add_callback(lane.interrupt)  # a call that ends (its client gone) ends its lane too
+
+        def interrupt() -> None:
+            context.cancel()
+            if lane is not None:
+                lane.interrupt()
+
         started = time.monotonic()
         model = self._model_label(header.model)
         outcome = "refused"
@@ -128,7 +147,7 @@ class HandoffBrokerServicer:
                     wait=_wait_budget(context),
                     ttl=header.ttl_seconds,
                     no_wait=waiting is None,
-                    interrupt=context.cancel,
+                    interrupt=interrupt,
                     is_active=context.is_active,
                     resumable=header.resumable,
                     resume=header.resume,
@@ -138,7 +157,14 @@ class HandoffBrokerServicer:
                 if waiting is not None:
                     waiting.give_back()
             try:
-                for message in requests:
+                if lane is not None:
+                    sock = lane.open(self.idle_timeout)
+                    for chunk in received_chunks(sock, session.contract, header.model, self.idle_timeout,
+                                                 self.max_message_bytes):  # fmt: skip
+                        session.add(chunk)
+                for message in requests:  # (after a lane, nothing more may come)
+                    if lane is not None:
+                        raise MalformedRequest("a push on a lane sends nothing on the stream but its header")
                     if isinstance(message, ChunkFrame):
                         if len(message.frame) > self.max_message_bytes:
                             raise MessageTooLarge(header.model, len(message.frame), self.max_message_bytes)
@@ -152,7 +178,7 @@ class HandoffBrokerServicer:
                     # ends short is kept for its resume either way (and a live caller still hears what is missing).
                     session.suspend()
                 result = session.finish()
-            except grpc.RpcError:
+            except (grpc.RpcError, LaneBroken):
                 session.suspend()  # the stream broke: a resumable push waits for its retry, any other is freed
                 raise
             except BaseException:
@@ -166,14 +192,19 @@ class HandoffBrokerServicer:
             e.fields.setdefault("handoff_id", bounded(header.handoff_id, MAX_FIELD_CHARS))
             raise
         finally:
+            if lane is not None:
+                lane.close()
             self.metrics.streams.labels("push").dec()
             self.metrics.pushes.labels(model, outcome).inc()
         elapsed = time.monotonic() - started
         self.metrics.bytes_in.labels(model).inc(result.bytes)
+        if lane is not None:
+            self.metrics.lane_bytes.labels(model, "push").inc(result.bytes)
         self.metrics.push_seconds.labels(model).observe(elapsed)
         logger.info(
-            "push %s/%s %s: %d bytes in %d chunks, %.1f ms",
-            header.model, header.handoff_id, outcome, result.bytes, result.chunks, elapsed * 1000,
+            "push %s/%s %s: %d bytes in %d chunks%s, %.1f ms",
+            header.model, header.handoff_id, outcome, result.bytes, result.chunks, " on its lane" if lane else "",
+            elapsed * 1000,
         )  # fmt: skip
         return pb.PushResponse(
             handoff_id=header.handoff_id,
@@ -191,12 +222,18 @@ class HandoffBrokerServicer:
         if not context.add_callback(slot.give_back):
             slot.give_back()
             return
+        lane = None
         try:
-            yield from self._pull(request, context)
+            if self.lanes is not None and request.lane_capability:  # (without lanes, the chunks come on the stream)
+                lane = LaneCall(self.lanes, request.lane_capability, request.model)
+                context.add_callback(lane.interrupt)  # a call that ends (its client gone) ends its lane too
+            yield from self._pull(request, context, lane)
         finally:
             slot.give_back()
+            if lane is not None:
+                lane.close()
 
-    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext, lane: LaneCall | None) -> Iterator[bytes]:
         if not (math.isfinite(request.wait_seconds) and request.wait_seconds >= 0):
             raise MalformedRequest(f"wait_seconds must be finite and >= 0, got {request.wait_seconds!r}", request.model)
         wait = _wait_budget(context)
@@ -207,6 +244,8 @@ class HandoffBrokerServicer:
         def interrupt() -> None:  # a stream whose end is on its way has nothing left to cut short
             if not progress.ending:
                 context.cancel()
+                if lane is not None:
+                    lane.interrupt()
 
         waiting = self.admission.waiting.try_take()
         try:  # past the waiting budget, a pull whose push has not begun is refused at once instead of waiting
@@ -243,25 +282,36 @@ class HandoffBrokerServicer:
         if not context.add_callback(ended):  # the caller is already gone: the claim goes back at once
             ended()
             return
-        yield _pull_header(claim, request.shard)
+        on_lane = lane is not None and claim.nbytes >= self.lane_min_bytes
+        yield _pull_header(claim, request.shard, lane.offer(self.lane_min_bytes) if on_lane else None)
+        sock = lane.open(self.idle_timeout) if on_lane else None
         fed = 0
         while True:
             chunks, digest = self.store.feed(claim, fed, _wait_budget(context))
-            for chunk in chunks:
-                yield chunk.frame
-                self.store.note_streamed(claim)
+            if sock is not None:
+                for _ in send_chunks(sock, chunks, claim.model):
+                    self.store.note_streamed(claim)
+            else:
+                for chunk in chunks:
+                    yield chunk.frame if isinstance(chunk.frame, bytes) else bytes(chunk.frame)  # (pushed on a lane)
+                    self.store.note_streamed(claim)
             fed += len(chunks)
             if digest is not None:
                 break
+        if sock is not None:
+            send_lane_end(sock, claim.model)
         progress.ending = True
         yield pb.PullResponse(end=pb.PullEnd(digest=digest)).SerializeToString()
         progress.sent_all = True
         elapsed = time.monotonic() - started
         self.metrics.bytes_out.labels(model).inc(claim.nbytes)
+        if sock is not None:
+            self.metrics.lane_bytes.labels(model, "pull").inc(claim.nbytes)
         self.metrics.pull_seconds.labels(model).observe(elapsed)
         logger.info(
-            "pull %s/%s streamed to claim %d: %d bytes, %.1f ms",
-            claim.model, claim.handoff_id, claim.generation, claim.nbytes, elapsed * 1000,
+            "pull %s/%s streamed to claim %d: %d bytes%s, %.1f ms",
+            claim.model, claim.handoff_id, claim.generation, claim.nbytes, " on its lane" if sock else "",
+            elapsed * 1000,
         )  # fmt: skip
 
     @mapped
@@ -292,6 +342,14 @@ class HandoffBrokerServicer:
             draining=stats.draining,
             contracts=[contract_to_proto(self.store.contracts[m]) for m in sorted(self.store.contracts) if may_see(m)],
         )
+
+    @mapped
+    def GetLanes(self, request: pb.LanesRequest, context: grpc.ServicerContext) -> pb.LanesResponse:
+        if self.lanes is None:
+            return pb.LanesResponse()
+        offer = pb.Lane(kind=pb.LANE_KIND_TCP, host=self.lanes.advertise_host, port=self.lanes.port,
+                        min_bytes=self.lane_min_bytes)  # fmt: skip
+        return pb.LanesResponse(lanes=[offer])
 
     @mapped
     def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:
@@ -328,7 +386,7 @@ class _Progress:
         self.sent_all = False  # ... and was
 
 
-def _pull_header(claim: Claim, shard: pb.Shard) -> bytes:
+def _pull_header(claim: Claim, shard: pb.Shard, lane: pb.Lane | None) -> bytes:
     header = pb.PullHeader(
         shard=shard,
         model=claim.model,
@@ -338,5 +396,6 @@ def _pull_header(claim: Claim, shard: pb.Shard) -> bytes:
         claim=claim.generation,
         bytes=claim.nbytes,
         chunks=claim.chunks,
+        lane=lane,
     )
     return pb.PullResponse(header=header).SerializeToString()

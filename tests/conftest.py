@@ -20,13 +20,33 @@ def contracts() -> dict[str, Contract]:
     return load_contracts(MANIFESTS)
 
 
+PATHS: dict[str, dict[str, object]] = {
+    "default": {},  # as a broker serves by default: large hand-offs on the TCP lane, small ones on the stream
+    "stream": {"lanes": False},  # every byte on the gRPC streams
+    "lane": {"lane_min_bytes": 1},  # every byte a client can send on a lane, on the lane
+}
+"""The paths a hand-off's bytes can take. A test module that sets `EVERY_PATH = True` runs each of its tests once on
+each of "stream" and "lane" (the brokers it starts serve that path), so the lane keeps every promise the stream
+makes."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if getattr(metafunc.module, "EVERY_PATH", False) and "path" in metafunc.fixturenames:
+        metafunc.parametrize("path", ["stream", "lane"])
+
+
 @pytest.fixture
-def start_broker(contracts: dict[str, Contract]) -> Iterator[Callable[..., Broker]]:
+def path() -> str:
+    return "default"
+
+
+@pytest.fixture
+def start_broker(contracts: dict[str, Contract], path: str) -> Iterator[Callable[..., Broker]]:
     """Start brokers with any config overrides; every one is stopped when the test ends."""
     started: list[Broker] = []
 
     def start(**overrides: object) -> Broker:
-        config = BrokerConfig(**{"host": "127.0.0.1", "port": 0, "contracts": contracts, **overrides})
+        config = BrokerConfig(**{"host": "127.0.0.1", "port": 0, "contracts": contracts, **PATHS[path], **overrides})
         broker, _ = build_server(config)
         started.append(broker.start())
         return broker

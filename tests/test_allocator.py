@@ -76,21 +76,25 @@ def test_a_tuned_decoder_reuses_the_pages_of_received_chunks_instead_of_faulting
     broker: Broker, client: HandoffClient
 ) -> None:
     tensors = seeded_tensors(client.get_contract("wide-attention"))
-    for handoff_id in (f"{kind}-{n}" for kind in ("plain", "tuned") for n in range(1, 5)):
+    for handoff_id in (f"{kind}-{n}" for kind in ("plain", "tuned", "lane") for n in range(1, 5)):
         client.push("wide-attention", handoff_id, 1, tensors)
 
     plain = pull_faults(broker, "plain", "plain")
     tuned = pull_faults(broker, "tuned", "tuned")
+    lane = pull_faults(broker, "lane", "lane")
 
     # With glibc's defaults a warm decoder still faults in (and zeroes) fresh pages for much of every pull; tuned,
     # the pages of the last pull's chunks serve this one's. Both got every byte: a pull verifies each chunk's CRC32C
     # and the digest. (Measured here: plain 5,000-17,000 faults, tuned 1-1,200, of the pull's 16,384 pages; beside
     # the numpy 2.3 that vLLM's CPU build installs, a single warm pull's tuned figure ranged 1-4,000, so the fewer of
     # two is taken.)
+    # On the TCP lane the bytes are received straight into the decoder's arrays: nothing is allocated per chunk,
+    # tuned or not.
     pages = 64 * MiB // PAGE
-    print(f"page faults of a pull: tuned {tuned}, plain {plain}, of {pages} pages")
+    print(f"page faults of a pull: stream tuned {tuned}, stream plain {plain}, lane (plain) {lane}, of {pages} pages")
     assert tuned < pages // 4, (tuned, plain)
     assert tuned * 4 < plain, (tuned, plain)
+    assert lane < pages // 16, lane
     assert broker.store.stats().resident_bytes == 0
 
 

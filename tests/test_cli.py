@@ -72,7 +72,8 @@ def test_serve_serves_and_stops_cleanly_on_sigterm():
 
 
 def test_every_serve_flag_may_come_from_the_environment_and_logs_may_be_json(tmp_path: Path):
-    env = {**os.environ, "HANDOFF_CONTRACTS": str(MANIFESTS), "HANDOFF_MAX_BYTES": "1GiB", "HANDOFF_LOG_FORMAT": "json"}
+    env = {**os.environ, "HANDOFF_CONTRACTS": str(MANIFESTS), "HANDOFF_MAX_BYTES": "1GiB", "HANDOFF_LOG_FORMAT": "json",
+           "HANDOFF_NO_LANES": "1"}  # fmt: skip
     broker = subprocess.Popen([*COMMAND, "serve", "--port", "0", "--metrics-port", "-1"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     try:
@@ -80,6 +81,7 @@ def test_every_serve_flag_may_come_from_the_environment_and_logs_may_be_json(tmp
         assert "max 1073741824 bytes of hand-offs" in line
         address = re.match(r"handoff-broker listening on (\S+);", line).group(1)
         with HandoffClient(address) as client:
+            assert client.lane() is None  # a switch from the environment: --no-lanes
             contract = client.get_contract("every-dtype")
             client.push("every-dtype", "held", 1, seeded_tensors(contract))
         status = run("status", "--target", address, timeout=30)

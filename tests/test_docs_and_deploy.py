@@ -51,7 +51,7 @@ def test_the_dockerfile_runs_commands_the_cli_accepts():
     assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 50051)
     health = build_parser().parse_args(_dockerfile_instruction("HEALTHCHECK")[1:])
     assert (health.command, health.target) == ("health", "127.0.0.1:50051")
-    assert "EXPOSE 50051 9464" in (ROOT / "Dockerfile").read_text()
+    assert "EXPOSE 50051 9464 50052" in (ROOT / "Dockerfile").read_text()
     assert re.search(r"^USER (?!root)\w+", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
 
 
@@ -61,8 +61,10 @@ def test_the_compose_file_is_well_formed_and_its_commands_parse():
     assert set(services) == {"broker", "prefill", "decode", "prometheus", "grafana"}
     broker = services["broker"]
     args = build_parser().parse_args(broker["command"])
-    assert args.command == "serve" and f"{args.port}:{args.port}" in broker["ports"]
-    assert f"{args.metrics_port}:{args.metrics_port}" in broker["ports"]
+    published = {port.removeprefix("127.0.0.1:") for port in broker["ports"]}
+    assert all(port.startswith("127.0.0.1:") for port in broker["ports"])  # loopback unless published on purpose
+    assert args.command == "serve" and f"{args.port}:{args.port}" in published
+    assert {f"{args.metrics_port}:{args.metrics_port}", f"{args.lane_port}:{args.lane_port}"} <= published
     probe = broker["healthcheck"]["test"]
     assert probe[0] == "CMD" and probe[1] == "handoff-broker"
     assert build_parser().parse_args(probe[2:]).target.endswith(f":{args.port}")
@@ -89,7 +91,7 @@ def test_the_kubernetes_manifests_parse_and_agree_with_the_cli():
     container = stateful["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args(container["args"])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert (args.command, ports) == ("serve", {"grpc": args.port, "metrics": args.metrics_port})
+    assert (args.command, ports) == ("serve", {"grpc": args.port, "metrics": args.metrics_port, "lane": args.lane_port})
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
     assert container["readinessProbe"]["grpc"]["port"] == args.port == container["livenessProbe"]["grpc"]["port"]
     limit = _parse_bytes(container["resources"]["limits"]["memory"].replace("Gi", "GiB"))

@@ -312,7 +312,7 @@ def test_a_resumable_prefix_push_whose_connection_breaks_sends_only_the_rest(pre
     proxy = Proxy(prefix_broker.port)
     try:
         proxy.cut_after(3_000_000, once=broker_holds(prefix_broker.address, LLAMA.model, "req", 2_500_000))
-        with HandoffClient(proxy.address, chunk_bytes=256 << 10) as client:
+        with HandoffClient(proxy.address, chunk_bytes=256 << 10, lanes=False) as client:  # (lanes: test_lanes.py)
             result = client.push(LLAMA.model, "req", 1000, tensors, resumable=True)
         assert proxy.connections == 2 and result.bytes == filled_bytes(LLAMA, 1000)
         assert proxy.carried[1] < filled_bytes(LLAMA, 1000) - 2_000_000  # the retry sent only the rest

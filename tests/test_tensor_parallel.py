@@ -50,6 +50,8 @@ from test_claims import wait_until
 from proxy import Proxy
 from support import broker_holds, chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
 
+EVERY_PATH = True  # each test once with the bytes on the gRPC streams, once on the TCP lane (conftest.PATHS)
+
 CONFIGS = Path(__file__).parent / "configs"
 WORKERS = Path(__file__).parent / "workers.py"
 TP_SIZES = (1, 2, 4, 8)
@@ -430,7 +432,7 @@ def test_a_rank_whose_connection_breaks_resumes_its_own_part_and_sends_only_the_
         try:
             holds = broker_holds(tp_broker.address, contract.model, "req", part_bytes // 2 - (256 << 10), (0, 2))
             proxy.cut_after(part_bytes // 2, once=holds)  # rank 0's connection dies halfway through its part
-            with HandoffClient(proxy.address, chunk_bytes=64 << 10) as through_proxy:
+            with HandoffClient(proxy.address, chunk_bytes=64 << 10, lanes=False) as through_proxy:
                 result = through_proxy.push(contract.model, "req", 3, rank0, shard=(0, 2), resumable=True)
             assert proxy.connections == 2 and not result.duplicate
             assert proxy.carried[1] < part_bytes * 0.75  # the retry sent only what the broker did not hold

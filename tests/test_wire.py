@@ -98,6 +98,7 @@ def test_the_servicer_implements_every_rpc_the_proto_declares():
         "CancelHandoff",
         "GetStatus",
         "GetPushProgress",
+        "GetLanes",
     }
     for name in declared:
         assert callable(getattr(HandoffBrokerServicer, name, None)), name
@@ -128,6 +129,7 @@ EXAMPLES = [
     _errors.PushAborted("m", "r"),
     _errors.MessageTooLarge("m", 10, 8),
     _errors.BrokerBusy("pulls waiting for their push", 3),
+    _errors.LaneBroken("demo-hybrid", "the push's lane broke: the lane closed after 10 of 1048576 bytes"),
     _errors.Unauthenticated("no bearer token"),
     _errors.PermissionDenied("prefill-pool", "has roles prefill; PullHandoff needs decode"),
     _errors.Draining(),

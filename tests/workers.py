@@ -6,8 +6,9 @@
 
 Each prints "stalled" once it is mid-stream, so the test knows when to kill it.
 
-    python tests/workers.py pull-faults TARGET MODEL ID tuned|plain   pulls ID-1 to -4 into preallocated arrays,
-                                          with or without tune_allocator(); prints the page faults of the third or fourth, the fewer
+    python tests/workers.py pull-faults TARGET MODEL ID tuned|plain|lane   pulls ID-1 to -4 into preallocated
+        arrays, on the stream with or without tune_allocator(), or on the TCP lane; prints the page faults of the
+        third or fourth, the fewer
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def pull_faults(target: str, model: str, handoff_id: str, allocator: str) -> Non
     if allocator == "tuned" and not tune_allocator():
         print("untunable", flush=True)
         return
-    with HandoffClient(target, timeout=60) as client:
+    with HandoffClient(target, timeout=60, lanes=allocator == "lane") as client:
         contract = client.get_contract(model)
         into = {c.name: np.zeros(c.shape, c.numpy_dtype) for c in contract.carried}  # allocated and touched first
         client.pull(model, f"{handoff_id}-1", into=into)  # a decoder's first pulls warm its heap

@@ -7,6 +7,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LaneKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LANE_KIND_UNSPECIFIED: _ClassVar[LaneKind]
+    LANE_KIND_TCP: _ClassVar[LaneKind]
+
 class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
@@ -38,6 +43,9 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHARD_MISMATCH: _ClassVar[ErrorReason]
     NOT_IN_SHARD: _ClassVar[ErrorReason]
     BROKER_BUSY: _ClassVar[ErrorReason]
+    LANE_BROKEN: _ClassVar[ErrorReason]
+LANE_KIND_UNSPECIFIED: LaneKind
+LANE_KIND_TCP: LaneKind
 ERROR_REASON_UNSPECIFIED: ErrorReason
 UNKNOWN_TENSOR: ErrorReason
 MISSING_TENSOR: ErrorReason
@@ -67,6 +75,7 @@ SHARD_LAYOUT: ErrorReason
 SHARD_MISMATCH: ErrorReason
 NOT_IN_SHARD: ErrorReason
 BROKER_BUSY: ErrorReason
+LANE_BROKEN: ErrorReason
 
 class Carried(_message.Message):
     __slots__ = ("name", "layer", "rows", "cols", "dtype", "heads", "head_dim", "rows_are_positions")
@@ -139,7 +148,7 @@ class Chunk(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "handoff_id", "position", "fingerprint", "ttl_seconds", "no_wait", "resumable", "resume", "shard")
+    __slots__ = ("model", "handoff_id", "position", "fingerprint", "ttl_seconds", "no_wait", "resumable", "resume", "shard", "lane_capability")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +158,7 @@ class PushHeader(_message.Message):
     RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    LANE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     position: int
@@ -158,7 +168,8 @@ class PushHeader(_message.Message):
     resumable: bool
     resume: bool
     shard: Shard
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ..., resumable: _Optional[bool] = ..., resume: _Optional[bool] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ...) -> None: ...
+    lane_capability: bytes
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ..., resumable: _Optional[bool] = ..., resume: _Optional[bool] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., lane_capability: _Optional[bytes] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -183,21 +194,23 @@ class PushResponse(_message.Message):
     def __init__(self, handoff_id: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., digest: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "handoff_id", "supersedes", "shard", "wait_seconds")
+    __slots__ = ("model", "handoff_id", "supersedes", "shard", "wait_seconds", "lane_capability")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDES_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LANE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     supersedes: int
     shard: Shard
     wait_seconds: float
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    lane_capability: bytes
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., lane_capability: _Optional[bytes] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("model", "handoff_id", "position", "fingerprint", "claim", "bytes", "chunks", "shard")
+    __slots__ = ("model", "handoff_id", "position", "fingerprint", "claim", "bytes", "chunks", "shard", "lane")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +219,7 @@ class PullHeader(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     position: int
@@ -214,7 +228,8 @@ class PullHeader(_message.Message):
     bytes: int
     chunks: int
     shard: Shard
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., claim: _Optional[int] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ...) -> None: ...
+    lane: Lane
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., claim: _Optional[int] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., lane: _Optional[_Union[Lane, _Mapping]] = ...) -> None: ...
 
 class PullEnd(_message.Message):
     __slots__ = ("digest",)
@@ -301,6 +316,28 @@ class PushProgress(_message.Message):
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class Lane(_message.Message):
+    __slots__ = ("kind", "host", "port", "min_bytes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kind: LaneKind
+    host: str
+    port: int
+    min_bytes: int
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ...) -> None: ...
+
+class LanesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LanesResponse(_message.Message):
+    __slots__ = ("lanes",)
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    lanes: _containers.RepeatedCompositeFieldContainer[Lane]
+    def __init__(self, lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("receiving", "ready", "claimed", "resident_bytes", "max_bytes", "oldest_seconds", "tombstones", "draining", "contracts")

@@ -1,0 +1,81 @@
+"""How the client makes its calls: the channel (plaintext or TLS), the message limits, and which failures are
+retried, and how (_client.py, _pulls.py and _fleet.py use these)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from ._errors import BrokerBusy, BrokerUnavailable, CallCancelled, HandoffError, LaneBroken, PushAborted
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest message either side accepts: a chunk of up to this size minus its few header bytes."""
+
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+def make_channel(
+    target: str,
+    options: tuple[tuple[str, object], ...] = (),
+    credentials: grpc.ChannelCredentials | None = None,
+    *,
+    tls_root_certificates: bytes | None = None,
+    tls_certificate_chain: bytes | None = None,
+    tls_private_key: bytes | None = None,
+    tls_server_name: str | None = None,
+) -> grpc.Channel:
+    """A channel to `target`: TLS when given a CA or a client certificate (PEM bytes; mutual TLS with both), or
+    `credentials` of any other kind; plaintext otherwise. `tls_server_name` overrides the name checked against the
+    broker's certificate."""
+    if tls_server_name:
+        options += (("grpc.ssl_target_name_override", tls_server_name),)
+    if credentials is None and (tls_root_certificates or tls_certificate_chain):
+        credentials = grpc.ssl_channel_credentials(tls_root_certificates, tls_private_key, tls_certificate_chain)
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the client retries what is safe to retry: exponential backoff with jitter, a bounded number of attempts,
+    and never past the call's own timeout.
+
+    Safe: a push that met UNAVAILABLE (the broker drops a broken push at once, and a repeat of a committed one is
+    recognised byte for byte and changes nothing); a pull whose stream broke or whose push was aborted (the claim
+    goes back to the pool); a confirm (idempotent for its claim); a call refused as BROKER_BUSY (it took nothing).
+    Never retried: anything else the broker refused.
+    """
+
+    attempts: int = 4
+    initial_backoff: float = 0.05
+    max_backoff: float = 1.0
+    multiplier: float = 2.0
+
+    def delays(self) -> Iterator[float]:
+        delay = self.initial_backoff
+        for _ in range(self.attempts - 1):
+            yield random.uniform(delay / 2, delay)
+            delay = min(delay * self.multiplier, self.max_backoff)
+
+
+DEFAULT_RETRY = RetryPolicy()
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+def retryable_push(error: HandoffError) -> bool:
+    """A push is retried only when the broker could not be reached (and is not draining: go elsewhere), was at
+    its limit of concurrent work (it took nothing), or its lane broke (the retry goes on the stream)."""
+    return type(error) in (BrokerUnavailable, BrokerBusy, LaneBroken)
+
+
+def retryable_pull(error: HandoffError) -> bool:
+    """A pull is retried when its stream (or lane) broke or its push was aborted: the hand-off is, or will be, there
+    again; or when the broker was at its limit of concurrent work."""
+    return type(error) in (BrokerUnavailable, BrokerBusy, CallCancelled, PushAborted, LaneBroken)

@@ -1,0 +1,226 @@
+"""The decode side's receiving: a pull's attempts (each retry names the claim its broken predecessor held), and one
+pull's stream — its chunks on the stream or on its lane (docs/lanes.md), each checked, written into place, and the
+whole checked against the digest before the claim is confirmed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from ._calls import retryable_pull
+from ._contract import Carried, Contract, Handoff, TensorSpans, check_array
+from ._errors import (
+    AlreadyClaimed,
+    BadChunk,
+    DigestMismatch,
+    FingerprintMismatch,
+    HandoffError,
+    LaneBroken,
+    MalformedRequest,
+    MissingTensor,
+    WrongLayout,
+    from_rpc_error,
+)
+from ._frames import ChunkFrame, crc32c, handoff_digest
+from ._lane import lane_host, open_lane, read_header, recv_into_exact
+from ._proto import handoff_pb2 as pb
+from ._shards import Shard, view
+from ._wire import shard_to_proto
+
+if TYPE_CHECKING:
+    from ._client import HandoffClient
+
+
+def destinations(contract: Contract, into: Mapping[str, np.ndarray] | None) -> list[np.ndarray] | None:
+    """The caller's arrays for a pull, in contract order, each checked to take its tensor's bytes in place."""
+    if into is None:
+        return None
+    arrays = []
+    for carried in contract.carried:
+        array = into.get(carried.name)
+        if array is None:
+            raise MissingTensor(contract.model, carried.name)
+        check_array(contract.model, carried, array)
+        if not (array.flags.c_contiguous and array.flags.writeable):
+            raise WrongLayout(contract.model, carried.name, carried.layout(), "an array that is not C-contiguous "
+                              "and writable, which the pull cannot fill in place")  # fmt: skip
+        arrays.append(array)
+    return arrays
+
+
+class PullAttempts:
+    """Successive attempts at one pull. A retry names the claim its broken predecessor held, so the broker hands it
+    over at once; and after a break, ALREADY_CLAIMED may be that very claim, not yet noticed dead: retry it too."""
+
+    def __init__(
+        self,
+        client: HandoffClient,
+        model: str,
+        handoff_id: str,
+        shard: Shard,
+        into: Mapping[str, np.ndarray] | None,
+        wait_for_push: float | None,
+    ) -> None:
+        self.client = client
+        self.model = model
+        self.handoff_id = handoff_id
+        self.shard = shard
+        self.into = into
+        self.wait_for_push = wait_for_push
+        self.claim = 0
+        self.broke = False
+        self.lanes = True  # until a lane breaks: the retries then go on the stream
+
+    def run(self, timeout: float) -> Handoff:
+        tensors = self.client.pull_tensors(self.model, self.handoff_id, timeout=timeout, supersedes=self.claim,
+                                           shard=self.shard, into=self.into, wait_for_push=self.wait_for_push,
+                                           lanes=self.lanes)  # fmt: skip
+        try:
+            for _ in tensors:
+                pass
+            return tensors.handoff
+        except HandoffError as e:
+            self.broke = self.broke or retryable_pull(e)
+            self.lanes = self.lanes and not isinstance(e, LaneBroken)
+            raise
+        finally:
+            self.claim = tensors.claim or self.claim
+
+    def retryable(self, error: HandoffError) -> bool:
+        return retryable_pull(error) or (self.broke and isinstance(error, AlreadyClaimed))
+
+
+class PulledTensors:
+    """One pull's stream: iterate for `(carried, array)` as each tensor completes; then `.handoff`, confirmed."""
+
+    def __init__(
+        self,
+        client: HandoffClient,
+        declared: Contract,
+        shard: Shard,
+        handoff_id: str,
+        stream: Iterator,
+        timeout: float,
+        arrays: list[np.ndarray] | None = None,
+        lane_capability: bytes = b"",
+    ) -> None:
+        self._client = client
+        self._declared = declared
+        self._shard = shard
+        self._arrays = arrays
+        self._handoff_id = handoff_id
+        self._stream = stream
+        self._timeout = timeout
+        self._lane_capability = lane_capability
+        self._handoff: Handoff | None = None
+        self.claim = 0
+        """The claim's generation, once the header has come."""
+
+    @property
+    def handoff(self) -> Handoff:
+        """The whole hand-off; available once iteration has ended normally (and the claim is confirmed)."""
+        if self._handoff is None:
+            raise RuntimeError("the pull has not been iterated to its end")
+        return self._handoff
+
+    def __iter__(self) -> Iterator[tuple[Carried, np.ndarray]]:
+        try:
+            header, handoff = yield from self._receive()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        except BaseException:
+            self._stream.cancel()  # the broker returns the claim at once, for the next pull
+            raise
+        model, shard = self._declared.model, shard_to_proto(self._shard)
+        self._client._confirm_claim(model, self._handoff_id, header.claim, self._timeout, shard)
+        self._handoff = handoff
+
+    def _receive(self) -> Iterator[tuple[Carried, np.ndarray]]:
+        model, stream = self._declared.model, self._stream
+        header = next(stream, None)
+        if not isinstance(header, pb.PullHeader):
+            raise MalformedRequest("the broker's pull stream did not start with a header", model)
+        self.claim = header.claim
+        if header.fingerprint != self._declared.fingerprint:
+            raise FingerprintMismatch(model, header.fingerprint, self._declared.fingerprint)
+        contract = view(self._declared.at(header.position), self._shard, pushing=False)
+        if self._arrays is None:
+            arrays = [np.empty(c.shape, c.numpy_dtype) for c in contract.carried]
+        else:  # the caller's cache arrays: the filled rows of each, a contiguous view
+            arrays = [a[: c.rows] if c.cache_rows else a for c, a in zip(contract.carried, self._arrays)]
+        flats = [a.reshape(-1).view(np.uint8) for a in arrays]
+        spans = [TensorSpans(model, c) for c in contract.carried]
+        for carried, array in zip(contract.carried, arrays):
+            if carried.nbytes == 0:  # no rows filled yet (position 0): whole without a chunk
+                yield carried, array
+        entries: list[tuple[int, int, int, int]] = []
+        if header.HasField("lane"):  # the chunks come on the lane; the end, here
+            yield from self._on_lane(header.lane, contract, spans, flats, arrays, entries)
+        for message in stream:
+            if isinstance(message, ChunkFrame) and header.HasField("lane"):
+                raise MalformedRequest("the broker sent a chunk on the stream of a pull on a lane", model)
+            if isinstance(message, ChunkFrame):
+                index = contract.index(message.tensor)
+                length = len(message.data)
+                spans[index].add(message.offset, length)
+                if crc32c(message.data) != message.crc32c:
+                    raise BadChunk(model, message.tensor, message.offset, length, "fails its CRC32C on arrival")
+                flats[index][message.offset : message.offset + length] = np.frombuffer(message.data, np.uint8)
+                entries.append((index, message.offset, length, message.crc32c))
+                if spans[index].complete:
+                    yield contract.carried[index], arrays[index]
+            elif isinstance(message, pb.PullEnd):
+                for tensor_spans in spans:
+                    tensor_spans.check_complete()
+                got = handoff_digest(entries)
+                if got != message.digest:
+                    raise DigestMismatch(model, self._handoff_id, message.digest, got)
+                state = {c.name: a for c, a in zip(contract.carried, arrays)}
+                return header, Handoff(header.position, state)
+            else:
+                raise MalformedRequest("the broker's pull stream sent a second header", model)
+        raise MalformedRequest("the broker's pull stream ended without its end message", model)
+
+    def _on_lane(
+        self,
+        lane: pb.Lane,
+        contract: Contract,
+        spans: list[TensorSpans],
+        flats: list[np.ndarray],
+        arrays: list[np.ndarray],
+        entries: list[tuple[int, int, int, int]],
+    ) -> Iterator[tuple[Carried, np.ndarray]]:
+        """Receive the chunks on the pull's lane, each straight into its place in the arrays after its bounds are
+        checked, then its CRC32C; as on the stream, yield each tensor once whole."""
+        model = contract.model
+        if not self._lane_capability:
+            raise MalformedRequest("the broker named a lane for a pull that offered none", model)
+        host = lane_host(lane.host, self._client.target)
+        try:
+            with open_lane(host, lane.port, self._lane_capability, self._timeout) as sock:
+                while not (frame := read_header(sock)).end:
+                    if frame.index >= len(contract.carried):
+                        raise MalformedRequest(f"lane frame for tensor index {frame.index} of {len(contract.carried)}")
+                    carried = contract.carried[frame.index]
+                    spans[frame.index].add(frame.offset, frame.length)  # bounds and overlap, before the bytes land
+                    into = memoryview(flats[frame.index])[frame.offset : frame.offset + frame.length]
+                    recv_into_exact(sock, into)
+                    if crc32c(into) != frame.crc:
+                        raise BadChunk(model, carried.name, frame.offset, frame.length, "fails its CRC32C on arrival")
+                    entries.append((frame.index, frame.offset, frame.length, frame.crc))
+                    if spans[frame.index].complete:
+                        yield carried, arrays[frame.index]
+        except (OSError, ValueError) as e:  # (LaneClosed, LaneUnreachable and socket timeouts are OSErrors)
+            broken = LaneBroken(model, f"the pull's lane at {host}:{lane.port}: {e}")
+            self._stream_status()  # the broker may have ended the call (the push failed, a cancel): that says why
+            raise broken from None
+
+    def _stream_status(self) -> None:
+        """After the lane ended early: raise the call's own error, if the broker ended it with one."""
+        try:
+            next(self._stream, None)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None

@@ -1,0 +1,226 @@
+"""The broker's TCP lane: where a push's or a pull's bytes may travel instead of its gRPC stream.
+
+The gRPC call stays the control plane: its handler registers the capability the client sent on the call
+(`expect`), and the connection that presents it first, within the call's wait, is handed to that handler alone.
+A connection is read for nothing but its opening (MAGIC and a capability, 40 bytes) and held no longer than
+OPENING_TIMEOUT for its call to register that capability (a pusher opens its lane as it sends the header, which the
+call may not have read yet), MAX_OPENINGS at a time; one that presents anything else is closed unanswered. A
+capability is single-use, void once its call ends, and bound to that call's hand-off and direction by being known
+only to its handler.
+The wire is handoff_client/_lane.py (and docs/lanes.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from handoff_client._lane import CAPABILITY_BYTES, MAGIC, tune
+
+logger = logging.getLogger(__name__)
+
+OPENING_TIMEOUT = 5.0  # seconds a new connection has to present MAGIC and its capability
+MAX_OPENINGS = 64  # connections being read for their opening at once; more are closed unread
+VOIDED_REMEMBERED = 4096  # capabilities whose call ended, remembered so a late opening is closed at once
+OPENING_BYTES = len(MAGIC) + CAPABILITY_BYTES
+
+
+@dataclass(eq=False)
+class Expected:
+    """A call waiting for its lane: the connection that presented its capability, once one has."""
+
+    capability: bytes
+    arrived: threading.Event = field(default_factory=threading.Event)
+    sock: socket.socket | None = None
+    closed: bool = False
+
+    def wait(self, timeout: float) -> socket.socket | None:
+        """The lane's connection, once it has presented the capability; None if none came within `timeout` s. The
+        caller sends READY when its call is ready for the bytes (a push: once admitted, with room reserved)."""
+        if not self.arrived.wait(timeout):
+            return None
+        return self.sock
+
+
+@dataclass(eq=False)
+class _Opening:
+    """A connection whose opening is being read (or is read, its capability not registered yet)."""
+
+    sock: socket.socket
+    deadline: float
+    received: bytearray = field(default_factory=bytearray)
+
+    @property
+    def capability(self) -> bytes | None:
+        """The capability presented, once the whole opening is in and starts with MAGIC."""
+        if len(self.received) < OPENING_BYTES or not self.received.startswith(MAGIC):
+            return None
+        return bytes(self.received[len(MAGIC) :])
+
+
+class LaneListener:
+    """A TCP listener for lanes, and the capabilities the calls under way expect. One thread reads every opening
+    (non-blocking, through a selector): a connection costs no thread of its own, only its socket and 40 bytes."""
+
+    def __init__(self, host: str, port: int = 0, advertise_host: str = "") -> None:
+        self._listener = socket.create_server((host, port), family=_family(host), backlog=128)
+        self._listener.setblocking(False)
+        self.port: int = self._listener.getsockname()[1]
+        self.advertise_host = advertise_host  # empty: the client uses the host it reached the broker at
+        self._expected: dict[bytes, Expected] = {}
+        self._voided: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._wake_reader, self._wake_writer = socket.socketpair()  # a registration wakes the reading thread
+        self._wake_reader.setblocking(False)
+        self._openings: dict[socket.socket, _Opening] = {}  # touched by the reading thread only
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve_forever, name="handoff-lane-openings", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake()
+        self._thread.join(timeout=5)
+        self._listener.close()
+        self._wake_reader.close()
+        self._wake_writer.close()
+        with self._lock:
+            expected = list(self._expected.values())
+        for waiting in expected:
+            self.forget(waiting)
+
+    def expect(self, capability: bytes) -> Expected:
+        """Register a call's capability (ValueError if it is not CAPABILITY_BYTES long, or already registered)."""
+        if len(capability) != CAPABILITY_BYTES:
+            raise ValueError(f"a lane capability is {CAPABILITY_BYTES} bytes, not {len(capability)}")
+        waiting = Expected(capability)
+        with self._lock:
+            if capability in self._expected or capability in self._voided:
+                raise ValueError("that lane capability is already in use")
+            self._expected[capability] = waiting
+        self._wake()  # an opening that presented it before the call registered it is waiting
+        return waiting
+
+    def forget(self, waiting: Expected) -> None:
+        """The call is done with its lane (or never got one): the capability is void, its connection closed."""
+        with self._lock:
+            if self._expected.get(waiting.capability) is waiting:
+                del self._expected[waiting.capability]
+            self._voided[waiting.capability] = None
+            while len(self._voided) > VOIDED_REMEMBERED:
+                self._voided.popitem(last=False)
+            waiting.closed = True
+            sock, waiting.sock = waiting.sock, None
+        self._wake()  # an opening that presented it is closed at once
+        if sock is not None:
+            _close(sock)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_writer.send(b"\0")
+        except OSError:  # the buffer is full (it is awake already), or the listener is closed
+            pass
+
+    def _serve_forever(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
+            selector.register(self._wake_reader, selectors.EVENT_READ)
+            while not self._closed:
+                deadlines = [opening.deadline for opening in self._openings.values()]
+                timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+                for key, _ in selector.select(timeout):
+                    if key.fileobj is self._listener:
+                        self._accept(selector)
+                    elif key.fileobj is self._wake_reader:
+                        _drain(self._wake_reader)
+                    else:
+                        self._read(selector, self._openings[key.fileobj])  # type: ignore[index]
+                self._settle(selector)
+            for opening in list(self._openings.values()):
+                _close(opening.sock)
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors, say: the next readiness tries again
+                return
+            if len(self._openings) >= MAX_OPENINGS:
+                _close(sock)  # too many openings under way: this one is not read at all
+                continue
+            sock.setblocking(False)
+            self._openings[sock] = _Opening(sock, time.monotonic() + OPENING_TIMEOUT)
+            selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, selector: selectors.BaseSelector, opening: _Opening) -> None:
+        try:
+            data = opening.sock.recv(OPENING_BYTES - len(opening.received))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # closed before its opening was whole
+            self._drop(selector, opening, "closed before presenting a capability")
+            return
+        opening.received += data
+        if len(opening.received) == OPENING_BYTES:
+            selector.unregister(opening.sock)  # nothing more is read until its call has it
+
+    def _settle(self, selector: selectors.BaseSelector) -> None:
+        """Hand each whole opening to the call that registered its capability; close those that presented anything
+        else, a capability already used or void, or that ran out of time."""
+        now = time.monotonic()
+        for opening in list(self._openings.values()):
+            if len(opening.received) < OPENING_BYTES:
+                if now >= opening.deadline:
+                    self._drop(selector, opening, "presented no capability in time")
+                continue
+            capability = opening.capability
+            with self._lock:
+                waiting = self._expected.pop(capability, None) if capability is not None else None
+                void = capability is None or capability in self._voided
+                if waiting is not None and not waiting.closed:
+                    del self._openings[opening.sock]
+                    opening.sock.setblocking(True)
+                    tune(opening.sock)
+                    waiting.sock = opening.sock
+                    waiting.arrived.set()
+                    continue
+            if void or now >= opening.deadline:
+                self._drop(selector, opening, "presented no valid capability")
+
+    def _drop(self, selector: selectors.BaseSelector, opening: _Opening, why: str) -> None:
+        logger.info("a lane connection %s: closed", why)
+        if opening.sock in selector.get_map():
+            selector.unregister(opening.sock)
+        del self._openings[opening.sock]
+        _close(opening.sock)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except (BlockingIOError, InterruptedError, OSError):
+        pass
