@@ -1008,6 +1008,9 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
+SECTIONS = ("memory", "throughput", "prompts", "latency", "resharding", "concurrency")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ROLES:
@@ -1024,7 +1027,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, help="runs per path and size (median reported); default 3, quick 2")
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")
     parser.add_argument("--chunk-bytes", type=int, help="the handoff client's chunk size (default: the client's own)")
+    parser.add_argument("--only", choices=SECTIONS, action="append",
+                        help="run only this section (repeatable; default: every one)")  # fmt: skip
     args = parser.parse_args(argv)
+    only = set(args.only or SECTIONS)
     if args.chunk_bytes:
         os.environ["BENCH_CHUNK_BYTES"] = str(args.chunk_bytes)
     runs = args.runs or (2 if args.quick else 3)
@@ -1046,24 +1052,30 @@ def main(argv: list[str] | None = None) -> int:
         try:
             bench.start_services(models)
             big = max(sizes.values())
-            bench.peak_memory(f"bench-{[k for k, v in sizes.items() if v == big][0].replace(' ', '').lower()}", big)
-            for label, nbytes in sizes.items():
-                bench.throughput(label, f"bench-{label.replace(' ', '').lower()}", nbytes)
-            if not args.quick:
-                bench.throughput("Llama-3-8B, 4k ctx, bf16", LLAMA3_8B_4K["model"], 512 * MiB)
-            bench.prompts(
-                f"Llama-3-8B{' (2 layers)' if args.quick else ''}, {prompt_ctx // 1024}k ctx",
-                "llama-3-8b-prompts", "llama-3-8b-padded", prompt_ctx, positions,
-            )  # fmt: skip
-            bench.latency(64 << 10, 50 if args.quick else 300)
-            bench.resharding(
-                "bench-256mib" if not args.quick else "bench-16mib", 256 * MiB if not args.quick else 16 * MiB
-            )
-            bench.concurrency(
-                "bench-16mib" if not args.quick else "bench-1mib",
-                16 * MiB if not args.quick else MiB,
-                [1, 4] if args.quick else [1, 4, 16],
-            )
+            if "memory" in only:
+                bench.peak_memory(f"bench-{[k for k, v in sizes.items() if v == big][0].replace(' ', '').lower()}", big)
+            if "throughput" in only:
+                for label, nbytes in sizes.items():
+                    bench.throughput(label, f"bench-{label.replace(' ', '').lower()}", nbytes)
+                if not args.quick:
+                    bench.throughput("Llama-3-8B, 4k ctx, bf16", LLAMA3_8B_4K["model"], 512 * MiB)
+            if "prompts" in only:
+                bench.prompts(
+                    f"Llama-3-8B{' (2 layers)' if args.quick else ''}, {prompt_ctx // 1024}k ctx",
+                    "llama-3-8b-prompts", "llama-3-8b-padded", prompt_ctx, positions,
+                )  # fmt: skip
+            if "latency" in only:
+                bench.latency(64 << 10, 50 if args.quick else 300)
+            if "resharding" in only:
+                bench.resharding(
+                    "bench-256mib" if not args.quick else "bench-16mib", 256 * MiB if not args.quick else 16 * MiB
+                )
+            if "concurrency" in only:
+                bench.concurrency(
+                    "bench-16mib" if not args.quick else "bench-1mib",
+                    16 * MiB if not args.quick else MiB,
+                    [1, 4] if args.quick else [1, 4, 16],
+                )
         finally:
             bench.stop()
     print(report(bench.results))

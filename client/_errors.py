@@ -143,8 +143,8 @@ class MissingTensor(ContractViolation):
 
 
 class WrongLength(ContractViolation):
-    """A carried tensor of the wrong size: `want` values in the contract, `got_bytes` bytes in the hand-off. Where
-    the hand-off carries only the rows its position filled, `want` is that filled size and `filled` says so."""
+    """A carried tensor of the wrong size: `want_values` (`want_bytes`) in the contract, `got_bytes` in the hand-off.
+    Where the hand-off carries only the rows its position filled, `want` is that filled size and `filled` says so."""
 
     reason = "WRONG_LENGTH"
 
@@ -159,7 +159,9 @@ class WrongLength(ContractViolation):
             f"({want * itemsize} and {got_bytes} bytes of {dtype})",
             model=model,
             tensor=tensor,
-            want=want,
+            want=want,  # (values, as want_values: kept for readers written before the units were named)
+            want_values=want,
+            want_bytes=want * itemsize,
             got_bytes=got_bytes,
             dtype=dtype,
         )

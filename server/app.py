@@ -9,32 +9,35 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry
-
-from handoff_client._allocator import tune_allocator, trim
+from handoff_client._allocator import trim, tune_allocator
 from handoff_client._client import MAX_MESSAGE_BYTES
 from handoff_client._contract import Contract
 from handoff_client._wire import SERVICE_NAME
+from prometheus_client import CollectorRegistry
 
 from .admission import Admission
 from .auth import AuthInterceptor, TokenTable
 from .contracts import default_contracts
+from .lanes import LaneListener
 from .metrics import Metrics, MetricsServer
 from .registry import EtcdRegistration
 from .rpc import rpc_handler
 from .service import HandoffBrokerServicer
 from .store import Store, StoreConfig, StoreStats
-from .lanes import LaneListener
 from .watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEFAULT_PORT = 50051
 DEFAULT_HOST = "127.0.0.1"
@@ -140,7 +143,8 @@ class Broker:
         self.metrics.watch(self.store.stats)
         self.metrics_port: int | None = None
         self.registration: EtcdRegistration | None = None
-        self._metrics_server = None
+        self._metrics_server: MetricsServer | None = None
+        self._started = False
         self.health = health.HealthServicer()
         options = [
             # The transport's own bound, above the broker's checked limit so a breach gets a reasoned, counted status.
@@ -157,7 +161,11 @@ class Broker:
         self.admission = Admission.for_workers(config.workers)
         self.watchdog = Watchdog()
         offer_lanes = config.lanes and config.tls_cert is None
-        self.lanes = LaneListener(config.host, config.lane_port, config.lane_advertise_host) if offer_lanes else None
+        # Every port is bound here, before anything serves: one taken fails the start naming it, and none is left open.
+        self.lanes = None
+        if offer_lanes:
+            self.lanes = _bound("the TCP lane (--lane-port)", config.host, config.lane_port,
+                                lambda: LaneListener(config.host, config.lane_port, config.lane_advertise_host))  # fmt: skip
         servicer = HandoffBrokerServicer(
             self.store,
             self.metrics,
@@ -191,17 +199,33 @@ class Broker:
         else:
             self.port = self.server.add_insecure_port(address)
         if self.port == 0:
-            raise OSError(f"cannot listen on {config.host}:{config.port}")
+            self._release_ports()
+            raise OSError(f"cannot listen for gRPC (--port) on {config.host}:{config.port}: address in use or not ours")
+        if config.metrics_port is not None:
+            host = config.metrics_host or config.host
+            try:
+                self._metrics_server = _bound("/metrics (--metrics-port)", host, config.metrics_port,
+                                              lambda: MetricsServer(host, config.metrics_port, self.registry))  # fmt: skip
+            except OSError:
+                self._release_ports()
+                raise
+            self.metrics_port = self._metrics_server.server_port
+
+    def _release_ports(self) -> None:
+        """A start that failed lets go of what it bound."""
+        self.server.stop(None)
+        if self.lanes is not None:
+            self.lanes.close()
 
     @property
     def address(self) -> str:
         return f"{_bracketed(self.config.host)}:{self.port}"
 
     def start(self) -> Broker:
-        if self.config.metrics_port is not None:
+        self._started = True
+        if self._metrics_server is not None:
+            self._metrics_server.serve_in_background()
             host = self.config.metrics_host or self.config.host
-            self._metrics_server = MetricsServer(host, self.config.metrics_port, self.registry).serve_in_background()
-            self.metrics_port = self._metrics_server.server_port
             logger.info("metrics on http://%s:%d/metrics", _bracketed(host), self.metrics_port)
         self.store.on_idle = trim
         self.store.start()
@@ -252,7 +276,8 @@ class Broker:
         self.watchdog.stop()
         self.store.close()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+            if self._started:
+                self._metrics_server.shutdown()  # (it waits for a serving loop: only once one ran)
             self._metrics_server.server_close()
         stats = self.store.stats()
         logger.info(
@@ -273,6 +298,14 @@ def build_server(config: BrokerConfig) -> tuple[Broker, int]:
     """A broker bound to its port, not yet started (the port is useful when `config.port` is 0)."""
     broker = Broker(config)
     return broker, broker.port
+
+
+def _bound(what: str, host: str, port: int, bind: Callable[[], T]) -> T:
+    """`bind()`, its failure an OSError that names what could not listen, and where."""
+    try:
+        return bind()
+    except OSError as e:
+        raise OSError(f"cannot listen for {what} on {host}:{port}: {e.strerror or e}") from None
 
 
 def _bracketed(host: str) -> str:

@@ -132,8 +132,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     try:
         broker, port = build_server(config)
-    except (OSError, RuntimeError) as e:
-        print(f"handoff-broker: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+    except (OSError, RuntimeError) as e:  # (each names the port it could not listen on)
+        print(f"handoff-broker: cannot start: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -254,35 +254,45 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
+TRAFFIC_TRIES = 3  # tries of one id before `traffic` gives it up and moves on
+
+
 def traffic(args: argparse.Namespace) -> int:
     """A demo prefill or decode worker that moves hand-offs of one model continuously (for compose and dashboards):
-    the prefill pushes ids <prefix>-0, -1, ...; the decode pulls the same ids in order."""
+    the prefill pushes ids <prefix>-0, -1, ...; the decode pulls the same ids in order. An id is tried at most
+    TRAFFIC_TRIES times, and one already gone (delivered before a restart, say) at once, so a worker never sticks on
+    an id its peer will not move; with --count the exit status says whether any was given up."""
     import time
 
-    from handoff_client import HandoffClient, HandoffError
+    from handoff_client import HandoffClient, HandoffError, HandoffGone
 
     from .demo import demo_tensors
 
+    moved, given_up = 0, 0
     with HandoffClient(args.target, **_connection(args)) as client:
-        contract = None
         n = 0
         while args.count is None or n < args.count:
-            try:
-                contract = contract or client.get_contract(args.model)
-                handoff_id = f"{args.prefix}-{n}"
-                if args.role == "prefill":
-                    client.push(args.model, handoff_id, n % contract.ctx, demo_tensors(contract, n))
-                else:
-                    client.pull(args.model, handoff_id, timeout=30)
-                n += 1
-            except HandoffError as e:
-                logger.warning("%s %s: %s", args.role, args.model, e.message)
-                if args.count is not None:
-                    return 1
-                time.sleep(1.0)
+            handoff_id = f"{args.prefix}-{n}"
+            for attempt in range(1, TRAFFIC_TRIES + 1):
+                try:
+                    contract = client.get_contract(args.model)
+                    if args.role == "prefill":
+                        client.push(args.model, handoff_id, n % contract.ctx, demo_tensors(contract, n))
+                    else:
+                        client.pull(args.model, handoff_id, timeout=30)
+                    moved += 1
+                    break
+                except HandoffError as e:
+                    logger.warning("%s %s, try %d of %d: %s", args.role, handoff_id, attempt, TRAFFIC_TRIES, e.message)
+                    if isinstance(e, HandoffGone) or attempt == TRAFFIC_TRIES:
+                        given_up += 1
+                        logger.warning("%s: %s given up; moving on", args.role, handoff_id)
+                        break
+                    time.sleep(1.0)
+            n += 1
             time.sleep(args.interval)
-    print(f"{args.role}: {n} hand-offs of {args.model}")
-    return 0
+    print(f"{args.role}: {moved} hand-offs of {args.model}" + (f", {given_up} given up" if given_up else ""))
+    return 1 if given_up and args.count is not None else 0
 
 
 def demo(args: argparse.Namespace) -> int:

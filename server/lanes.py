@@ -87,7 +87,8 @@ class LaneListener:
     def close(self) -> None:
         self._closed = True
         self._wake()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # (a broker whose start failed closes a listener never started)
+            self._thread.join(timeout=5)
         self._listener.close()
         self._wake_reader.close()
         self._wake_writer.close()

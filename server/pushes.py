@@ -149,6 +149,9 @@ class _RepeatPush(PushSession):
         self._starts = held.starts if held is not None else None
         self._stored = held.by_tensor if held is not None else None
         self._want = held.digest if held is not None else delivered_digest
+        # The response describes the hand-off held, as its digest does: the original push's chunks, however this
+        # repeat cut them (a delivered one's digest matched only if its chunks did).
+        self._chunks = sum(len(run) for run in held.by_tensor) if held is not None else None
 
     def _keep(self, chunk: StoredChunk) -> None:
         if self._stored is None or self._starts is None:
@@ -170,4 +173,5 @@ class _RepeatPush(PushSession):
         if self._stored is None and digest != self._want:
             model, handoff_id = self.key
             raise HandoffExists(model, handoff_id, "was delivered with different content (or chunking)")
-        return PushOutcome(self.contract.nbytes, len(self._received), self._want, duplicate=True)
+        chunks = self._chunks if self._chunks is not None else len(self._received)
+        return PushOutcome(self.contract.nbytes, chunks, self._want, duplicate=True)

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -95,6 +96,23 @@ def test_every_serve_flag_may_come_from_the_environment_and_logs_may_be_json(tmp
     records = [json.loads(line) for line in broker.stderr.read().splitlines()]
     assert {"time", "level", "logger", "message"} <= set(records[0])
     assert any("push every-dtype/held committed" in r["message"] for r in records)
+
+
+def test_a_port_already_taken_stops_the_start_naming_that_port_and_leaving_none_open():
+    """Fails before the fix: a taken metrics port was a traceback after gRPC had begun serving; a taken lane port
+    was reported as the gRPC port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag, what in (
+            ("--metrics-port", "/metrics (--metrics-port)"),
+            ("--lane-port", "the TCP lane (--lane-port)"),
+        ):
+            result = run("serve", "--port", "0", "--metrics-port", "0", flag, str(port), timeout=60)
+            assert result.returncode == 2, result.stderr
+            assert f"cannot start: cannot listen for {what} on 127.0.0.1:{port}" in result.stderr
+            assert "Traceback" not in result.stderr
 
 
 def test_serve_takes_a_hugging_face_config_json():
@@ -189,6 +207,7 @@ runpy.run_module("handoff_broker", run_name="__main__")
 
 def test_the_client_only_install_runs_every_command_that_needs_only_the_client(broker, tmp_path):
     """Fails before the fix: every command, even --help, died importing grpc_health without the server extra."""
+
     def client_only(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", CLIENT_ONLY, *args], input=stdin, capture_output=True, text=True,
                               timeout=60, check=False)  # fmt: skip

@@ -200,6 +200,9 @@ def test_a_second_push_of_the_same_id_must_repeat_it_byte_for_byte(broker, clien
     first = client.push(MODEL, "r", 1, tensors)
     again = client.push(MODEL, "r", 1, tensors)  # a blind retry: succeeds, changes nothing
     assert (again.duplicate, again.digest) == (True, first.digest)
+    with HandoffClient(broker.address, chunk_bytes=100) as small_chunks:  # the same bytes, chunked otherwise
+        recut = small_chunks.push(MODEL, "r", 1, tensors)
+    assert (recut.duplicate, recut.chunks, recut.digest) == (True, first.chunks, first.digest)  # what is held
     assert broker.store.stats().ready == 1
     changed = {**tensors, F32: tensors[F32] + 1}
     error = raises_handoff_error(client.push, MODEL, "r", 1, changed)

@@ -127,6 +127,12 @@ def test_the_compose_files_demo_workers_move_hand_offs(broker):
     assert prefill.returncode == 0, prefill.stderr
     assert decode.wait(timeout=60) == 0
     assert decode.stdout.read().strip() == "decode: 3 hand-offs of demo-hybrid"
+    # Restarted, they meet ids already moved: the prefill's are recognised repeats, the decode's are gone, and
+    # neither sticks on them (before the fix each retried its first id forever).
+    again = subprocess.run([*command, "prefill", *common], capture_output=True, text=True, timeout=60, check=False)
+    assert (again.returncode, again.stdout.strip()) == (0, "prefill: 3 hand-offs of demo-hybrid")
+    stale = subprocess.run([*command, "decode", *common], capture_output=True, text=True, timeout=60, check=False)
+    assert (stale.returncode, stale.stdout.strip()) == (1, "decode: 0 hand-offs of demo-hybrid, 3 given up")
 
 
 def test_settings_come_from_a_toml_file_below_the_environment_and_the_command_line(tmp_path, monkeypatch):

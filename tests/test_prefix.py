@@ -230,7 +230,8 @@ def test_a_tensor_of_the_wrong_filled_size_is_wrong_length_naming_the_filled_row
     frames = chunk_frames(LLAMA.at(100), short, 1 << 20)
     error = raises_handoff_error(raw_push, prefix_broker.address, [header_frame(LLAMA, "raw", 100), *frames])
     assert isinstance(error, WrongLength) and "(the 100 rows 100 tokens filled of its 4096)" in error.message
-    assert error.fields["want"] == "102400" and error.fields["tensor"] == name
+    assert error.fields["want"] == error.fields["want_values"] == "102400" and error.fields["tensor"] == name
+    assert (error.fields["want_bytes"], error.fields["got_bytes"]) == ("204800", "102400")  # the units in the names
     assert_holds_nothing(prefix_broker)
 
 
