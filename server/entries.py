@@ -1,9 +1,9 @@
-"""The store's records and the few things every part of it shares: a hand-off's entry, its tombstone, a claim,
+"""The store's records and the few things every part of it shares: a hand-off's entry — its state (`Stage`, and
+its claim's `Hold`) and the transitions that alone change it, each asserting it is legal — its tombstone, a claim,
 a stored chunk, the store's configuration and events, and how interrupts of calls are run.
 
-Plain data, no behaviour of the store's own: store.py (the state machine), groups.py (tensor-parallel hand-offs)
-and pushes.py (a push's checks) all import from here and from nothing of each other at run time, so the import
-graph of server/ has no cycle.
+Every part of the store (holdings, intake, delivery, groups, timers, pushes) imports from here, and this module from
+none of them at run time, so the import graph of server/ has no cycle (tests/test_layout.py checks it).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class Entry:
         return stale
 
     def suspend(self, until: float) -> None:
-        """Its push's stream broke, the push being resumable: kept, unseen by nothing new, until `until`."""
+        """Its push's stream broke, the push being resumable: kept, unseen by pullers, until `until`."""
         assert self.stage is Stage.RECEIVING, self.stage
         self.stage, self.push, self.push_interrupt, self.suspended_until = Stage.SUSPENDED, None, None, until
 

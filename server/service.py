@@ -189,6 +189,7 @@ class HandoffBrokerServicer:
             outcome = "broken"
             raise
         except HandoffError as e:  # every refusal of a push names its hand-off, as the .proto promises
+            outcome = "broken" if isinstance(e, LaneBroken) else outcome
             e.fields.setdefault("handoff_id", bounded(header.handoff_id, MAX_FIELD_CHARS))
             raise
         finally:
