@@ -22,7 +22,7 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 
-def _config_contract(path: Path, **options: object):
+def _config_contract(path: Path, **options: object) -> Contract:
     """The contract a Hugging Face config.json file describes; ManifestError naming the file when it cannot."""
     from handoff_client._architectures import contract_from_config
 
@@ -31,9 +31,14 @@ def _config_contract(path: Path, **options: object):
     except (OSError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path}: not a readable config.json: {e}") from None
     try:
-        return contract_from_config(config, **options)
+        contract = contract_from_config(config, **options)
     except ManifestError as e:
         raise ManifestError(f"{path}: {e}") from None
+    longest = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if isinstance(longest, int) and contract.ctx > longest:
+        logger.warning("%s: a cache of %d positions, beyond the model's max_position_embeddings %d: rows it never "
+                       "fills are counted in the contract's full size", path, contract.ctx, longest)  # fmt: skip
+    return contract
 
 
 def _security(args: argparse.Namespace) -> dict:
@@ -141,7 +146,9 @@ def serve(args: argparse.Namespace) -> int:
     broker.start()
     metrics = f"; metrics on :{broker.metrics_port}/metrics" if broker.metrics_port is not None else ""
     print(
-        f"handoff-broker listening on {broker.address}; max {config.max_bytes} bytes of hand-offs{metrics}", flush=True
+        f"handoff-broker listening on {broker.address}; max {config.max_bytes} bytes ({human_size(config.max_bytes)}) "
+        f"of hand-offs{metrics}",
+        flush=True,
     )
     stop.wait()
     logger.info("signal received: draining for up to %ss", args.grace)
@@ -164,7 +171,7 @@ def contract_from_config(args: argparse.Namespace) -> int:
         Path(args.output).write_text(text)
         print(
             f"{args.output}: {contract.model}, {len(contract.carried)} carried tensors, {contract.nbytes} bytes "
-            f"a hand-off at the full ctx {contract.ctx}, {_short_prompt_bytes(contract)}",
+            f"({human_size(contract.nbytes)}) a hand-off at the full ctx {contract.ctx}, {_short_prompt_bytes(contract)}",
             file=sys.stderr,
         )
     else:
@@ -242,8 +249,8 @@ def status(args: argparse.Namespace) -> int:
     )
     share = status.resident_bytes / status.max_bytes if status.max_bytes else 0.0
     print(
-        f"  bytes: {status.resident_bytes} of {status.max_bytes} ({100 * share:.1f}%); "
-        f"{status.tombstones} recently gone remembered"
+        f"  bytes: {status.resident_bytes} of {status.max_bytes} ({human_size(status.resident_bytes)} of "
+        f"{human_size(status.max_bytes)}, {100 * share:.1f}%); {status.tombstones} recently gone remembered"
     )
     for message in status.contracts:
         contract = contract_from_proto(message)
@@ -252,6 +259,16 @@ def status(args: argparse.Namespace) -> int:
             f"{contract.nbytes} bytes a hand-off, fingerprint {contract.fingerprint[:16]}"
         )
     return 0
+
+
+def human_size(nbytes: int) -> str:
+    """A byte count as people read it: 12637986816 -> "11.8 GiB" (binary units, as --max-bytes takes them)."""
+    size, unit = float(nbytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{nbytes} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
 TRAFFIC_TRIES = 3  # tries of one id before `traffic` gives it up and moves on

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MANIFESTS, assert_same_bits, seeded_tensors
+from handoff_broker.commands import human_size
 from handoff_client import HandoffClient
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -79,7 +80,7 @@ def test_every_serve_flag_may_come_from_the_environment_and_logs_may_be_json(tmp
                               stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     try:
         line = broker.stdout.readline()
-        assert "max 1073741824 bytes of hand-offs" in line
+        assert "max 1073741824 bytes (1.0 GiB) of hand-offs" in line
         address = re.match(r"handoff-broker listening on (\S+);", line).group(1)
         with HandoffClient(address) as client:
             assert client.lane() is None  # a switch from the environment: --no-lanes
@@ -88,7 +89,9 @@ def test_every_serve_flag_may_come_from_the_environment_and_logs_may_be_json(tmp
         status = run("status", "--target", address, timeout=30)
         assert status.returncode == 0, status.stderr
         assert "hand-offs held: 1 (0 receiving, 1 ready, 0 claimed)" in status.stdout
-        assert f"bytes: {contract.nbytes} of 1073741824" in status.stdout
+        assert (
+            f"bytes: {contract.nbytes} of 1073741824 ({human_size(contract.nbytes)} of 1.0 GiB, 0.0%)" in status.stdout
+        )
         assert f"contract every-dtype: ctx 64, 9 tensors, {contract.nbytes} bytes a hand-off" in status.stdout
     finally:
         broker.send_signal(signal.SIGTERM)
@@ -113,6 +116,18 @@ def test_a_port_already_taken_stops_the_start_naming_that_port_and_leaving_none_
             assert result.returncode == 2, result.stderr
             assert f"cannot start: cannot listen for {what} on 127.0.0.1:{port}" in result.stderr
             assert "Traceback" not in result.stderr
+
+
+def test_a_cache_longer_than_the_model_was_trained_for_is_derived_with_a_warning(tmp_path: Path):
+    result = run(
+        "contract-from-config", str(CONFIGS / "llama-3-8b.json"), "--ctx", "32768", "-o", str(tmp_path / "m.json")
+    )
+    assert result.returncode == 0, result.stderr
+    assert "a cache of 32768 positions, beyond the model's max_position_embeddings 8192" in result.stderr
+    quiet = run(
+        "contract-from-config", str(CONFIGS / "llama-3-8b.json"), "--ctx", "8192", "-o", str(tmp_path / "m.json")
+    )
+    assert "max_position_embeddings" not in quiet.stderr
 
 
 def test_serve_takes_a_hugging_face_config_json():
