@@ -7,6 +7,8 @@ c.push("demo-hybrid", "req-42", position=17, tensors={name: array, ...})
 h = c.pull("demo-hybrid", "req-42", timeout=30)       # h.position, h.state[name] -> ndarray
 """
 
+from pathlib import Path
+
 from ._client import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_RETRY,
@@ -17,6 +19,10 @@ from ._client import (
     RetryPolicy,
 )
 from ._pulls import PulledTensors
+
+PROTO_PATH = Path(__file__).with_name("handoff.proto")
+"""The .proto this client speaks, shipped with it (with its comments, the wire's specification): for generating a
+client in another language, or reading what each field means."""
 from ._allocator import tune_allocator
 from ._contract import Carried, Contract, Handoff, ManifestError
 from ._fleet import FleetClient
@@ -63,6 +69,7 @@ from ._errors import (
 )
 
 __all__ = [
+    "PROTO_PATH",
     "from_numpy",
     "to_numpy",
     "DEFAULT_CHUNK_BYTES",

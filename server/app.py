@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from handoff_client._allocator import trim, tune_allocator
 from handoff_client._client import MAX_MESSAGE_BYTES
 from handoff_client._contract import Contract
@@ -184,10 +184,7 @@ class Broker:
         )
         self.server.add_generic_rpc_handlers((rpc_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        _serve_reflection(self.server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
         address = f"{_bracketed(config.host)}:{config.port}"
         if config.tls_cert is not None and config.tls_key is not None:
             credentials = grpc.ssl_server_credentials(
@@ -298,6 +295,25 @@ def build_server(config: BrokerConfig) -> tuple[Broker, int]:
     """A broker bound to its port, not yet started (the port is useful when `config.port` is 0)."""
     broker = Broker(config)
     return broker, broker.port
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _serve_reflection(server: grpc.Server, services: tuple[str, ...]) -> None:
+    """Server reflection under both its names: `v1alpha` (grpcio-reflection's) and `v1`, which newer tools ask for
+    first. The two protocols' messages are the same on the wire, so one servicer answers both."""
+    names = (*services, reflection.SERVICE_NAME, REFLECTION_V1)
+    servicer = reflection.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),)
+    )
 
 
 def _bound(what: str, host: str, port: int, bind: Callable[[], T]) -> T:

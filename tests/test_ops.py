@@ -17,9 +17,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-
 from conftest import seeded_tensors
+from grpc_reflection.v1alpha import reflection_pb2
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from handoff_broker import cli
 from handoff_client import HandoffClient, HandoffError
 
@@ -117,6 +117,17 @@ def test_reflection_lists_the_service_health_and_reflection(broker):
         assert {"handoff.v1.HandoffBroker", "grpc.health.v1.Health"} <= services
         described = database.FindFileContainingSymbol("handoff.v1.HandoffBroker")
         assert described.name == "handoff/v1/handoff.proto"
+        # ... under reflection v1 too, which newer grpcurl and Postman ask for first (the same messages on the wire)
+        assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= services
+        ask = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        (answer,) = ask(
+            iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="handoff.v1.HandoffBroker")])
+        )
+        assert answer.file_descriptor_response.file_descriptor_proto  # the .proto's descriptor, as on v1alpha
 
 
 def test_the_compose_files_demo_workers_move_hand_offs(broker):

@@ -46,3 +46,12 @@ def test_the_fingerprint_is_sha256_of_the_canonical_json():
     assert json.dumps(CONTRACT.to_json(), sort_keys=True, separators=(",", ":")) == CANONICAL
     assert hashlib.sha256(CANONICAL.encode()).hexdigest() == FINGERPRINT
     assert CONTRACT.fingerprint == FINGERPRINT
+
+
+def test_the_proto_ships_with_the_client_and_is_the_one_in_the_repository():
+    from pathlib import Path
+
+    from handoff_client import PROTO_PATH
+
+    source = Path(__file__).resolve().parent.parent / "proto" / "handoff" / "v1" / "handoff.proto"
+    assert PROTO_PATH.read_text() == source.read_text()
