@@ -30,7 +30,15 @@ from pathlib import Path
 import numpy as np
 
 from ._dtypes import DTYPES, numpy_dtype
-from ._errors import BadChunk, MissingTensor, PositionOutOfRange, UnknownTensor, WrongLayout, WrongLength
+from ._errors import (
+    BadChunk,
+    ManifestError,
+    MissingTensor,
+    PositionOutOfRange,
+    UnknownTensor,
+    WrongLayout,
+    WrongLength,
+)
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 """What a model name may be: a Hugging Face repo id fits (`meta-llama/Llama-3.1-8B`); no spaces or control bytes."""
@@ -39,10 +47,6 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 OPTIONAL_FIELDS = frozenset({"heads", "head_dim", "rows_are_positions"})
 """Fields of a carried tensor a manifest may leave out: a tensor without heads is not split across TP ranks; one
 without `rows_are_positions` (or with it false) is carried whole at every position."""
-
-
-class ManifestError(ValueError):
-    """A manifest that is not a contract; the message names the file and the field."""
 
 
 @dataclass(frozen=True)

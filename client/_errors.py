@@ -55,6 +55,12 @@ from google.rpc import error_details_pb2, status_pb2
 
 DOMAIN = "handoff.v1"
 
+
+class ManifestError(ValueError):
+    """A manifest that is not a contract; the message names the file and the field. (A local error, never a call's:
+    kept here, where nothing heavy is imported, so the command line can catch it cheaply.)"""
+
+
 MAX_MESSAGE_CHARS = 2048
 MAX_FIELD_CHARS = 256
 """What an error echoes of what a caller sent is bounded: a status must fit gRPC's metadata limit (8 KiB), and a

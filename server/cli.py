@@ -12,7 +12,7 @@ import sys
 import tomllib
 from collections.abc import Callable
 
-from handoff_client._contract import ManifestError
+from handoff_client._errors import ManifestError
 
 from . import commands
 

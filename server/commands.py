@@ -13,8 +13,12 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from handoff_client._contract import Contract, ManifestError
+from handoff_client._errors import ManifestError
+
+if TYPE_CHECKING:
+    from handoff_client._contract import Contract
 
 logger = logging.getLogger("handoff_broker")
 
@@ -214,7 +218,7 @@ def health(args: argparse.Namespace) -> int:
     The call is made by hand (an empty HealthCheckRequest; the response's field 1, a varint, is the status), so the
     client-only install can run it."""
     import grpc
-    from handoff_client._client import make_channel
+    from handoff_client._calls import make_channel  # (grpc only: a HEALTHCHECK every 10 s stays cheap)
 
     tls = _connection(args)
     tls.pop("token")  # health needs none

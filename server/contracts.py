@@ -10,8 +10,12 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from handoff_client._contract import Contract, ManifestError
+from handoff_client._errors import ManifestError
+
+if TYPE_CHECKING:
+    from handoff_client._contract import Contract
 
 DEFAULT_MODEL = "demo-hybrid"
 
@@ -26,6 +30,8 @@ def default_contracts() -> dict[str, Contract]:
     """
     text = resources.files(__package__).joinpath("manifests", f"{DEFAULT_MODEL}.json").read_text()
 
+    from handoff_client._contract import Contract  # (numpy and ml_dtypes: imported only when contracts are read)
+
     contract = Contract.from_json(json.loads(text), source=f"<embedded {DEFAULT_MODEL}.json>")
     return {contract.model: contract}
 
@@ -34,6 +40,8 @@ def load_contracts(folder: Path) -> dict[str, Contract]:
     """Every `*.json` manifest in `folder`, by model; ManifestError on the first that is not a contract."""
     if not folder.is_dir():
         raise ManifestError(f"{folder}: not a folder of contract manifests")
+    from handoff_client._contract import Contract
+
     contracts: dict[str, Contract] = {}
     sources: dict[str, Path] = {}
     for path in sorted(folder.glob("*.json")):

@@ -15,17 +15,19 @@ import json
 import subprocess
 import sys
 import time
-
-import numpy as np
-
-from handoff_client import Contract, HandoffClient
-from handoff_client._contract import cut_to_filled
+from typing import TYPE_CHECKING
 
 from .contracts import DEFAULT_MODEL
+
+if TYPE_CHECKING:  # (imported where used: the command line builds its parser from this module, cheaply)
+    import numpy as np
+    from handoff_client import Contract
 
 
 def demo_tensors(contract: Contract, seed: int) -> dict[str, np.ndarray]:
     """Seeded values for every carried tensor, the same in any process."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     tensors = {}
     for carried in contract.carried:
@@ -43,6 +45,8 @@ def _fingerprint_bytes(array: np.ndarray) -> str:
 
 
 def push_worker(target: str, model: str, handoff_id: str, position: int, seed: int) -> dict:
+    from handoff_client import HandoffClient
+
     with HandoffClient(target) as client:
         tensors = demo_tensors(client.get_contract(model), seed)
         started = time.perf_counter()
@@ -56,6 +60,9 @@ def push_worker(target: str, model: str, handoff_id: str, position: int, seed: i
 
 
 def pull_worker(target: str, model: str, handoff_id: str, seed: int, timeout: float) -> dict:
+    from handoff_client import HandoffClient
+    from handoff_client._contract import cut_to_filled
+
     with HandoffClient(target) as client:
         contract = client.get_contract(model)
         started = time.perf_counter()
