@@ -155,7 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (with --tls-key)")
     serve.add_argument("--tls-key", metavar="PEM", help="the TLS private key")
     serve.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates from this CA (mutual TLS)")
-    serve.add_argument("--tokens", metavar="FILE", help="bearer tokens (hashed) with roles and models; see auth.py")
+    serve.add_argument(
+        "--tokens",
+        metavar="FILE",
+        help='bearer tokens by sha256, with roles and models: {"tokens": [{"name": "prefill-pool", '
+        '"sha256": "<hex>", "roles": ["prefill"], "models": ["demo-hybrid"]}]} (models optional; '
+        "roles prefill, decode, admin; `hash-token` prints a sha256)",
+    )
     serve.add_argument("--max-message-bytes", type=_parse_bytes, default=64 << 20,
                        help="largest message (chunk frame) accepted (64MiB)")  # fmt: skip
     serve.add_argument("--max-streams-per-connection", type=int, default=100,
