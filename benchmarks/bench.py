@@ -950,12 +950,17 @@ def report(results: dict) -> str:
     lines = [
         f"machine: {results['machine']['cpus']} cpus, {results['machine']['cpu']}, Python {results['machine']['python']}"
     ]
+    if results.get("quick"):
+        lines.insert(0, "QUICK RUN: a smoke test of the benchmark itself (small sizes, few runs); not measurements")
     for label, row in results["throughput"].items():
         lines.append(f"\n{label} ({row['bytes'] / MiB:.0f} MiB)           MiB/s    x tcp relay   x tuned grpc")
         for name, figures in row["paths"].items():
             lines.append(
                 f"  {name:<14} {figures['mib_s']:>10.0f}    {figures['vs_tcp']:>6.2f}       {figures['vs_tuned_grpc']:>6.2f}"
             )
+        if row["bytes"] < 16 * MiB:  # a few milliseconds: fixed costs per call, and clock skew between processes
+            lines.append("  (broker CPU and pipelining are reported from 16 MiB up: below, fixed costs dominate them)")
+            continue
         lines.append(
             f"  broker CPU: {row['broker_cpu_s_per_gib']:.2f} s per GiB moved on the streams, "
             f"{row['broker_cpu_s_per_gib_lane']:.2f} on the lane; pipelined pull had its first "
@@ -1049,6 +1054,7 @@ def main(argv: list[str] | None = None) -> int:
     models["llama-3-8b-padded"] = llama3_8b("llama-3-8b-padded", prompt_ctx, prompt_layers)
     with tempfile.TemporaryDirectory() as tmp:
         bench = Bench(Path(tmp), runs)
+        bench.results["quick"] = args.quick
         try:
             bench.start_services(models)
             big = max(sizes.values())

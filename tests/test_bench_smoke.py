@@ -39,3 +39,5 @@ def test_the_benchmark_runs_every_path_and_reports_sane_figures(tmp_path: Path):
     assert prompts["512 tokens"]["bytes"] == 512 * 4 * 1024 * 2  # the filled rows of 2 layers' K and V, no more
     assert all(row["seconds"] > 0 and row["vs_tcp"] > 0 for row in prompts.values())
     assert "x tcp relay" in result.stdout and "x faster than padded" in result.stdout
+    assert "QUICK RUN: a smoke test" in result.stdout  # its figures are not to be read as measurements
+    assert "(broker CPU and pipelining are reported from 16 MiB up" in result.stdout  # (1 MiB: fixed costs)
