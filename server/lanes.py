@@ -114,14 +114,18 @@ class LaneListener:
         with self._lock:
             if self._expected.get(waiting.capability) is waiting:
                 del self._expected[waiting.capability]
-            self._voided[waiting.capability] = None
-            while len(self._voided) > VOIDED_REMEMBERED:
-                self._voided.popitem(last=False)
+            self._void(waiting.capability)
             waiting.closed = True
             sock, waiting.sock = waiting.sock, None
         self._wake()  # an opening that presented it is closed at once
         if sock is not None:
             _close(sock)
+
+    def _void(self, capability: bytes) -> None:
+        """Under the lock: remember the capability as used, so an opening presenting it again is closed at once."""
+        self._voided[capability] = None
+        while len(self._voided) > VOIDED_REMEMBERED:
+            self._voided.popitem(last=False)
 
     def _wake(self) -> None:
         try:
@@ -190,6 +194,7 @@ class LaneListener:
                 waiting = self._expected.pop(capability, None) if capability is not None else None
                 void = capability is None or capability in self._voided
                 if waiting is not None and not waiting.closed:
+                    self._void(waiting.capability)  # single-use: a second connection presenting it is refused at once
                     del self._openings[opening.sock]
                     opening.sock.setblocking(True)
                     tune(opening.sock)

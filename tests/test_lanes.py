@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -95,16 +96,25 @@ def test_a_broker_serving_tls_offers_no_lane_so_no_byte_travels_unencrypted(star
     assert lane_bytes(broker, "large", "push") == lane_bytes(broker, "large", "pull") == 0
 
 
-def test_a_connection_without_a_valid_capability_is_closed_unread_and_changes_nothing(lane_broker):
+def test_a_connection_without_a_valid_capability_is_closed_unanswered_and_changes_nothing(lane_broker):
     port = _lane_port(lane_broker)
-    for opening in (b"GET / HTTP/1.1\r\n\r\n" + b"x" * 21, MAGIC + bytes(CAPABILITY_BYTES), b""):
+
+    def answer(opening: bytes) -> bytes:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(opening)
             if not opening:
                 sock.shutdown(socket.SHUT_WR)
-            assert sock.recv(1) == b""  # closed, no READY
-    with pytest.raises(LaneClosed):
-        open_lane("127.0.0.1", port, new_capability(), timeout=10)
+            return sock.recv(1)
+
+    def a_capability_nobody_registered() -> None:
+        with pytest.raises(LaneClosed):
+            open_lane("127.0.0.1", port, new_capability(), timeout=10)
+
+    openings = (b"GET / HTTP/1.1\r\n\r\n" + b"x" * 21, MAGIC + bytes(CAPABILITY_BYTES), b"")
+    with ThreadPoolExecutor(4) as pool:  # (the unregistered ones are each held the opening's 5 s: at once, not in turn)
+        unregistered = pool.submit(a_capability_nobody_registered)
+        assert list(pool.map(answer, openings)) == [b"", b"", b""]  # closed, no READY
+        unregistered.result()
     assert_holds_nothing(lane_broker)
 
 
