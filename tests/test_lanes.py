@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-
+from certs import Authority
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import HandoffClient
 from handoff_client._contract import Carried, Contract
@@ -31,7 +31,6 @@ from handoff_client._lane import (
 )
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import decode_pull_response, identity, method_path
-from certs import Authority
 from support import open_channel, raises_handoff_error
 
 ROWS, COLS = 1024, 1024  # 4 MiB a tensor in float32: well past the lane's 1 MiB floor
