@@ -157,20 +157,19 @@ class PulledTensors:
             if carried.nbytes == 0:  # no rows filled yet (position 0): whole without a chunk
                 yield carried, array
         entries: list[tuple[int, int, int, int]] = []
-        if header.HasField("lane"):  # the chunks come on the lane; the end, here
+        on_lane = header.HasField("lane")
+        if on_lane:  # the chunks come on the lane; the end, here
             yield from self._on_lane(header.lane, contract, spans, flats, arrays, entries)
         for message in stream:
-            if isinstance(message, ChunkFrame) and header.HasField("lane"):
-                raise MalformedRequest("the broker sent a chunk on the stream of a pull on a lane", model)
             if isinstance(message, ChunkFrame):
+                if on_lane:
+                    raise MalformedRequest("the broker sent a chunk on the stream of a pull on a lane", model)
                 index = contract.index(message.tensor)
                 length = len(message.data)
                 spans[index].add(message.offset, length)
-                if crc32c(message.data) != message.crc32c:
-                    raise BadChunk(model, message.tensor, message.offset, length, "fails its CRC32C on arrival")
+                whole = _checked(spans[index], entries, index, message.offset, message.data, message.crc32c)
                 flats[index][message.offset : message.offset + length] = np.frombuffer(message.data, np.uint8)
-                entries.append((index, message.offset, length, message.crc32c))
-                if spans[index].complete:
+                if whole:
                     yield contract.carried[index], arrays[index]
             elif isinstance(message, pb.PullEnd):
                 for tensor_spans in spans:
@@ -204,15 +203,11 @@ class PulledTensors:
                 while not (frame := read_header(sock)).end:
                     if frame.index >= len(contract.carried):
                         raise MalformedRequest(f"lane frame for tensor index {frame.index} of {len(contract.carried)}")
-                    carried = contract.carried[frame.index]
                     spans[frame.index].add(frame.offset, frame.length)  # bounds and overlap, before the bytes land
                     into = memoryview(flats[frame.index])[frame.offset : frame.offset + frame.length]
                     recv_into_exact(sock, into)
-                    if crc32c(into) != frame.crc:
-                        raise BadChunk(model, carried.name, frame.offset, frame.length, "fails its CRC32C on arrival")
-                    entries.append((frame.index, frame.offset, frame.length, frame.crc))
-                    if spans[frame.index].complete:
-                        yield carried, arrays[frame.index]
+                    if _checked(spans[frame.index], entries, frame.index, frame.offset, into, frame.crc):
+                        yield contract.carried[frame.index], arrays[frame.index]
         except (OSError, ValueError) as e:  # (LaneClosed, LaneUnreachable and socket timeouts are OSErrors)
             broken = LaneBroken(model, f"the pull's lane at {host}:{lane.port}: {e}")
             self._stream_status()  # the broker may have ended the call (the push failed, a cancel): that says why
@@ -224,3 +219,15 @@ class PulledTensors:
             next(self._stream, None)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+
+
+def _checked(
+    spans: TensorSpans, entries: list[tuple[int, int, int, int]], index: int, offset: int, data: object, crc: int
+) -> bool:
+    """A received chunk (its bounds and overlap already checked by `spans.add`), on the stream or the lane alike: its
+    CRC32C checked and its digest entry noted; whether its tensor is now whole."""
+    length = len(data)  # type: ignore[arg-type]
+    if crc32c(data) != crc:
+        raise BadChunk(spans.model, spans.carried.name, offset, length, "fails its CRC32C on arrival")
+    entries.append((index, offset, length, crc))
+    return spans.complete

@@ -31,8 +31,7 @@ class LaneCall:
         self.sock: socket.socket | None = None
 
     def offer(self, min_bytes: int) -> pb.Lane:
-        return pb.Lane(kind=pb.LANE_KIND_TCP, host=self._lanes.advertise_host, port=self._lanes.port,
-                       min_bytes=min_bytes)  # fmt: skip
+        return lane_offer(self._lanes, min_bytes)
 
     def open(self, timeout: float) -> socket.socket:
         """The connection that presented the capability, told READY; LaneBroken if none came within `timeout` s."""
@@ -52,6 +51,11 @@ class LaneCall:
 
     def close(self) -> None:
         self._lanes.forget(self._expected)
+
+
+def lane_offer(lanes: LaneListener, min_bytes: int) -> pb.Lane:
+    """The lane as GetLanes and a PullHeader describe it to clients."""
+    return pb.Lane(kind=pb.LANE_KIND_TCP, host=lanes.advertise_host, port=lanes.port, min_bytes=min_bytes)
 
 
 def received_chunks(

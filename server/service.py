@@ -32,7 +32,7 @@ from handoff_client._wire import (
 
 from .admission import Admission
 from .auth import authorize_model, may_see
-from .lane_calls import LaneCall, received_chunks, send_chunks, send_lane_end
+from .lane_calls import LaneCall, lane_offer, received_chunks, send_chunks, send_lane_end
 from .lanes import LaneListener
 from .metrics import Metrics
 from .rpc import mapped, mapped_stream
@@ -348,9 +348,7 @@ class HandoffBrokerServicer:
     def GetLanes(self, request: pb.LanesRequest, context: grpc.ServicerContext) -> pb.LanesResponse:
         if self.lanes is None:
             return pb.LanesResponse()
-        offer = pb.Lane(kind=pb.LANE_KIND_TCP, host=self.lanes.advertise_host, port=self.lanes.port,
-                        min_bytes=self.lane_min_bytes)  # fmt: skip
-        return pb.LanesResponse(lanes=[offer])
+        return pb.LanesResponse(lanes=[lane_offer(self.lanes, self.lane_min_bytes)])
 
     @mapped
     def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:
