@@ -18,7 +18,8 @@ verified at the consumer (CRC32C against the producer's). Paths:
     handoff       handoff-broker end to end: a pusher process, the broker, a puller process, the client library;
                   the pull is made before the push, so the broker streams the push through as it is checked; the
                   bytes on the gRPC streams (lanes=False)
-    handoff lane  the same with the bytes on the broker's TCP lane (docs/lanes.md), every frame checked the same
+    handoff tcp   the same with the bytes on the broker's TCP lane (docs/lanes.md), every frame checked the same
+    handoff shm   the same on its shared-memory lane (pusher and puller on the broker's host), checked the same
     grpc floor    (latency only) handoff's three calls - a 2-message client stream, a 3-message server stream, a
                   unary confirm - carrying the same bytes to a server that does nothing: what grpcio itself costs
     grpc 1 call   (latency only) one empty unary call to that server: what grpcio costs per call on this machine
@@ -57,6 +58,7 @@ import numpy as np
 MiB = 1 << 20
 RELAY_BUFFER = 4 * MiB
 FLOOR_PAYLOAD = bytes(64 << 10)
+HANDOFF_PATHS = {"stream": "handoff", "tcp": "handoff tcp", "shm": "handoff shm"}  # the client's path: its row
 
 
 def identity(message: bytes) -> bytes:
@@ -420,10 +422,15 @@ def _chunk_bytes() -> int:
     return int(os.environ.get("BENCH_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
 
 
+def _lanes(path: str) -> dict[str, bool]:
+    """The client's settings for a path: "stream", "tcp" (the TCP lane) or "shm" (the shared-memory lane)."""
+    return {"lanes": path != "stream", "shared_memory": path == "shm"}
+
+
 def role_handoff_producer(target: str, model: str, key: str, path: str = "stream") -> None:
     from handoff_client import HandoffClient
 
-    with HandoffClient(target, chunk_bytes=_chunk_bytes(), lanes=path == "lane") as client:
+    with HandoffClient(target, chunk_bytes=_chunk_bytes(), **_lanes(path)) as client:
         tensors = _tensors(client.get_contract(model))
         t0 = time.monotonic()
         client.push(model, key, 1, tensors)
@@ -443,7 +450,7 @@ def _caches(contract) -> tuple[np.ndarray, dict[str, np.ndarray]]:
 def role_handoff_consumer(target: str, model: str, key: str, path: str = "stream") -> None:
     from handoff_client import HandoffClient
 
-    with HandoffClient(target, lanes=path == "lane") as client:
+    with HandoffClient(target, **_lanes(path)) as client:
         out, into = _caches(client.get_contract(model))
         print("ready", flush=True)
         pulled = client.pull_tensors(model, key, timeout=120, into=into)
@@ -727,10 +734,11 @@ class Bench:
 
     def throughput(self, label: str, model: str, nbytes: int) -> None:
         rows: dict[str, list] = {"memcpy x2": [], "tcp relay": [], "naive grpc": [], "tuned grpc": [], "handoff": [],
-                                 "handoff lane": []}  # fmt: skip
+                                 "handoff tcp": [], "handoff shm": []}  # fmt: skip
         if self.redis_port:
             rows["redis relay"] = []
-        extra: dict[str, list] = {"cpu_s_per_gib": [], "cpu_s_per_gib_lane": [], "first_layer_fraction": []}
+        extra: dict[str, list] = {"first_layer_fraction": []}
+        cpu: dict[str, list] = {path: [] for path in HANDOFF_PATHS}
         port_file = self.workdir / f"tcp-{label}.port"
         relay = _spawn("tcp-relay", port_file, self.runs)
         tcp_port = _port_from(port_file)
@@ -759,15 +767,14 @@ class Bench:
                 rows["redis relay"].append(
                     _relay_run(_spawn("redis-producer", self.redis_port, nbytes, key), consumer, nbytes)["seconds"]
                 )
-            for path, name, cpu_key in (("stream", "handoff", "cpu_s_per_gib"), ("lane", "handoff lane",
-                                                                                 "cpu_s_per_gib_lane")):  # fmt: skip
+            for path, name in HANDOFF_PATHS.items():
                 consumer = _spawn("handoff-consumer", self.target, model, f"{key}-{path}", path)
                 _wait_ready(consumer)
                 time.sleep(0.1)  # the pull is waiting at the broker before the push starts
-                cpu = _cpu_seconds(self.broker.pid)
+                before = _cpu_seconds(self.broker.pid)
                 r = _relay_run(_spawn("handoff-producer", self.target, model, f"{key}-{path}", path), consumer, nbytes)
                 rows[name].append(r["seconds"])
-                extra[cpu_key].append((_cpu_seconds(self.broker.pid) - cpu) / (nbytes / (1 << 30)))
+                cpu[path].append((_cpu_seconds(self.broker.pid) - before) / (nbytes / (1 << 30)))
                 if path == "stream":
                     extra["first_layer_fraction"].append((r["t_first"] - r["t0"]) / (r["t_end"] - r["t0"]))
         relay.wait(timeout=30)
@@ -782,8 +789,7 @@ class Bench:
                 }
                 for name, times in rows.items()
             },
-            "broker_cpu_s_per_gib": statistics.median(extra["cpu_s_per_gib"]),
-            "broker_cpu_s_per_gib_lane": statistics.median(extra["cpu_s_per_gib_lane"]),
+            "broker_cpu_s_per_gib": {path: statistics.median(seconds) for path, seconds in cpu.items()},
             "pipelined_first_layer_at": statistics.median(extra["first_layer_fraction"]),
         }
 
@@ -961,10 +967,11 @@ def report(results: dict) -> str:
         if row["bytes"] < 16 * MiB:  # a few milliseconds: fixed costs per call, and clock skew between processes
             lines.append("  (broker CPU and pipelining are reported from 16 MiB up: below, fixed costs dominate them)")
             continue
+        cpu = row["broker_cpu_s_per_gib"]
         lines.append(
-            f"  broker CPU: {row['broker_cpu_s_per_gib']:.2f} s per GiB moved on the streams, "
-            f"{row['broker_cpu_s_per_gib_lane']:.2f} on the lane; pipelined pull had its first "
-            f"tensor at {100 * row['pipelined_first_layer_at']:.1f}% of the push's duration"
+            f"  broker CPU, s per GiB moved: {cpu['stream']:.2f} on the streams, {cpu['tcp']:.2f} on the TCP lane, "
+            f"{cpu['shm']:.2f} on the shared-memory lane; pipelined pull had its first tensor at "
+            f"{100 * row['pipelined_first_layer_at']:.1f}% of the push's duration"
         )
     if "prompts" in results:
         r = results["prompts"]

@@ -41,7 +41,8 @@ from ._contract import Contract, Handoff, cut_to_filled
 from ._errors import FingerprintMismatch, HandoffError, LaneBroken, UnknownHandoff, from_rpc_error
 from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
 from ._frames import crc32c, encode_chunk
-from ._lane import LaneClosed, LaneUnreachable, lane_host, new_capability, open_lane, send_end, send_frame
+from ._lane import LaneClosed, LaneUnreachable, new_capability
+from ._lane_choice import choose, describe, open_frames
 from ._proto import handoff_pb2 as pb
 from ._pulls import PullAttempts, PulledTensors, destinations
 from ._shards import Shard, as_shard, view
@@ -109,12 +110,14 @@ class HandoffClient:
         tls_private_key: bytes | None = None,
         tls_server_name: str | None = None,
         lanes: bool = True,
+        shared_memory: bool = True,
     ) -> None:
         """`token` is sent as `authorization: Bearer <token>` on every call. The tls_* arguments (PEM bytes) make
         the channel TLS: the CA to trust, and for mutual TLS this client's certificate and key; `tls_server_name`
         overrides the name checked against the broker's certificate. `credentials` takes any other gRPC kind.
-        `lanes=False` keeps every hand-off's bytes on the gRPC streams even where the broker offers a TCP lane
-        (docs/lanes.md), which large hand-offs otherwise take."""
+        `lanes=False` keeps every hand-off's bytes on the gRPC streams even where the broker offers lanes
+        (docs/lanes.md), which large hand-offs otherwise take: its shared-memory lane from the broker's own host,
+        else its TCP lane; `shared_memory=False` takes the TCP lane even on the broker's host."""
         if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_MESSAGE_BYTES - 1024}, got {chunk_bytes}")
         self.target = target
@@ -122,8 +125,9 @@ class HandoffClient:
         self.timeout = timeout
         self.retry = retry
         self.lanes = lanes
-        self._lane_offer: pb.Lane | None = None
+        self._lane_offers: list[pb.Lane] = []
         self._lanes_asked = False
+        self._shared_memory = shared_memory  # (and until the shared-memory lane turns out unreachable from here)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._channel = make_channel(
             target, CHANNEL_OPTIONS + tuple(options), credentials, tls_root_certificates=tls_root_certificates,
@@ -295,22 +299,23 @@ class HandoffClient:
     ) -> pb.PushResponse:  # fmt: skip
         """The push's header on the stream and its chunks on the lane; the broker's answer on the stream."""
         call = self._push.future(iter((header,)), timeout=timeout, metadata=self._metadata)
-        host = lane_host(lane.host, self.target)
         try:
-            sock = open_lane(host, lane.port, capability, timeout, call_ended=call.done)
+            frames = open_frames(lane, self.target, capability, timeout, call_ended=call.done)
         except LaneUnreachable as e:
             call.cancel()
-            raise LaneBroken(contract.model, f"the broker's lane: {e}") from None
+            self._lane_unreachable(lane)
+            raise LaneBroken(contract.model, f"{describe(lane, self.target)}: {e}") from None
         except (LaneClosed, OSError):
-            sock = None  # the broker closed it: the call says why
-        if sock is not None:
-            with sock:
-                try:
-                    for index, _, offset, data in self._chunks(contract, handoff, held):
-                        send_frame(sock, index, offset, data, crc32c(data))
-                    send_end(sock)
-                except OSError:
-                    pass  # the broker ended the lane: the call says why
+            frames = None  # the broker closed it: the call says why
+        if frames is not None:
+            try:
+                for index, _, offset, data in self._chunks(contract, handoff, held):
+                    frames.send(index, offset, data, crc32c(data))
+                frames.end()
+            except OSError:
+                pass  # the broker ended the lane: the call says why
+            finally:
+                frames.close()
         try:
             return call.result()
         except grpc.RpcError as e:
@@ -326,8 +331,10 @@ class HandoffClient:
                     yield index, carried.name, offset, payload[offset : min(offset + self.chunk_bytes, end)]
 
     def lane(self, nbytes: int | None = None) -> pb.Lane | None:
-        """The broker's TCP lane, if it offers one and this client takes lanes (asked once; a broker that does not
-        know GetLanes offers none); None also for a hand-off of `nbytes` below the lane's `min_bytes`."""
+        """The lane a hand-off of `nbytes` takes (None: whichever a large one would), or None for the streams: the
+        broker's shared-memory lane when this client shares its host, else its TCP lane, if this client takes lanes
+        and the hand-off is at least the lane's `min_bytes` (the offers are asked once; a broker that does not know
+        GetLanes offers none)."""
         if not self.lanes:
             return None
         if not self._lanes_asked:
@@ -337,10 +344,15 @@ class HandoffClient:
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     return None  # not known now: this call goes on the stream, and the next one asks again
                 response = pb.LanesResponse()
-            self._lane_offer = next((lane for lane in response.lanes if lane.kind == pb.LANE_KIND_TCP), None)
+            self._lane_offers = list(response.lanes)
             self._lanes_asked = True
-        offer = self._lane_offer
-        return offer if offer is not None and (nbytes is None or nbytes >= offer.min_bytes) else None
+        return choose(self._lane_offers, nbytes, shared_memory=self._shared_memory)
+
+    def _lane_unreachable(self, lane: pb.Lane) -> None:
+        """A lane this client could not connect to: a shared-memory lane it shares the host but not the filesystem
+        or the user with (another container, say) is not tried again; the next calls take the TCP lane."""
+        if lane.kind == pb.LANE_KIND_SHM:
+            self._shared_memory = False
 
     # -- decode side --------------------------------------------------------------------------------------------------
 
@@ -404,17 +416,19 @@ class HandoffClient:
         declared = self.get_contract(model)
         deadline = self.timeout if timeout is None else timeout
         wire_shard = shard_to_proto(part)
+        lane = self.lane() if lanes else None
         request = pb.PullRequest(
             model=model,
             handoff_id=handoff_id,
             supersedes=supersedes,
             shard=wire_shard,
             wait_seconds=wait_for_push or 0.0,
-            lane_capability=new_capability() if lanes and self.lane() is not None else b"",
+            lane_capability=new_capability() if lane is not None else b"",
+            lane_kind=lane.kind if lane is not None else pb.LANE_KIND_UNSPECIFIED,
         )
         arrays = destinations(view(declared, part, pushing=False), into)  # checked before the claim
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)
-        return PulledTensors(self, declared, part, handoff_id, stream, deadline, arrays, request.lane_capability)
+        return PulledTensors(self, declared, part, handoff_id, stream, deadline, arrays, request)
 
     def _confirm_claim(
         self, model: str, handoff_id: str, claim: int, timeout: float, shard: pb.Shard | None = None

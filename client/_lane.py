@@ -1,7 +1,7 @@
-"""The TCP lane's wire: a hand-off's bytes on a plain TCP connection beside the gRPC call that controls them.
+"""The lanes' wire: a hand-off's bytes on a connection beside the gRPC call that controls them.
 
 docs/lanes.md is the specification (for an implementer in another language); this is ours, used by the client and
-the broker alike. In short, all integers little-endian:
+the broker alike. The TCP lane, in short (all integers little-endian):
 
     opening   the client connects, sends MAGIC (8 bytes) and the call's capability (32 bytes); the broker answers
               one byte, READY, once the call is ready for the bytes, or closes the connection (the call's status
@@ -16,6 +16,8 @@ the broker alike. In short, all integers little-endian:
 
 Every frame is checked as on the gRPC path (bounds, overlap, CRC32C), and the digest covers the same
 (index, offset, length, crc32c) entries; the commit, the digest, confirm and every error travel on the gRPC call.
+The shared-memory lane (_ring.py) sends the same headers on a Unix socket and the bytes through shared memory; both
+are `Frames`, which is all the client's and the broker's calls see of a lane.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 MAGIC = b"HOLANE1\n"
 CAPABILITY_BYTES = 32
@@ -35,6 +38,8 @@ END = 0xFFFFFFFF
 MAX_LANE_CHUNK = 64 << 20
 SOCKET_BUFFER = 4 << 20
 READY_POLL = 0.05  # seconds between looks at the call while waiting for READY
+
+T = TypeVar("T")
 
 
 class LaneClosed(ConnectionError):
@@ -80,23 +85,71 @@ def open_lane(
         raise LaneUnreachable(f"cannot connect to {host}:{port}: {e}") from None
     try:
         tune(sock)
-        sock.sendall(MAGIC + capability)
-        deadline = time.monotonic() + timeout
-        sock.settimeout(READY_POLL)
-        while True:  # a push's READY may wait for room: meanwhile its call may end (refused)
-            try:
-                ready = sock.recv(1)
-                break
-            except TimeoutError:
-                if call_ended() or time.monotonic() > deadline:
-                    raise LaneClosed("the lane was not made ready before its call ended") from None
-        if ready != READY:
+        if present(sock, capability, timeout, call_ended, lambda: sock.recv(len(READY))) != READY:
             raise LaneClosed("the broker refused the lane")
-        sock.settimeout(timeout)
         return sock
     except BaseException:
         sock.close()
         raise
+
+
+def present(
+    sock: socket.socket, capability: bytes, timeout: float, call_ended: Callable[[], bool], answer: Callable[[], T]
+) -> T:
+    """Send the opening, then wait for the broker's `answer` (READY, on any lane), looking every READY_POLL s
+    whether the call the lane serves has ended: a push's READY may wait for room, and meanwhile its call may be
+    refused. Leaves `timeout` on the socket for every later send and receive."""
+    sock.sendall(MAGIC + capability)
+    deadline = time.monotonic() + timeout
+    sock.settimeout(READY_POLL)
+    while True:
+        try:
+            got = answer()
+            break
+        except TimeoutError:
+            if call_ended() or time.monotonic() > deadline:
+                raise LaneClosed("the lane was not made ready before its call ended") from None
+    sock.settimeout(timeout)
+    return got
+
+
+class Frames(Protocol):
+    """A lane's frames, one way: the sender's `send`s and `end`, the receiver's `read_header` then `read_into` (the
+    frame's bytes, into the receiver's own memory, where it then checks their CRC32C)."""
+
+    sock: socket.socket
+
+    def send(self, index: int, offset: int, data: memoryview | bytes, crc: int) -> None: ...
+
+    def end(self) -> None: ...
+
+    def read_header(self) -> FrameHeader: ...
+
+    def read_into(self, header: FrameHeader, view: memoryview) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TcpFrames:
+    """Frames on a TCP lane: each header, then its bytes, on the connection."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send(self, index: int, offset: int, data: memoryview | bytes, crc: int) -> None:
+        send_frame(self.sock, index, offset, data, crc)
+
+    def end(self) -> None:
+        send_end(self.sock)
+
+    def read_header(self) -> FrameHeader:
+        return read_header(self.sock)
+
+    def read_into(self, header: FrameHeader, view: memoryview) -> None:
+        recv_into_exact(self.sock, view)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def lane_host(lane_host: str, target: str) -> str:
@@ -119,7 +172,12 @@ def send_end(sock: socket.socket) -> None:
 
 
 def read_header(sock: socket.socket) -> FrameHeader:
-    header = FrameHeader(*FRAME.unpack(recv_exact(sock, FRAME.size)))
+    return parse_header(recv_exact(sock, FRAME.size))
+
+
+def parse_header(raw: bytes) -> FrameHeader:
+    """A frame header's fields, checked (ValueError: an end marker that carries something, a length out of range)."""
+    header = FrameHeader(*FRAME.unpack(raw))
     if header.end and (header.offset or header.length or header.crc):
         raise ValueError("a lane's end marker carries nothing")
     if not header.end and not 0 < header.length <= MAX_LANE_CHUNK:

@@ -25,7 +25,8 @@ from ._errors import (
     from_rpc_error,
 )
 from ._frames import ChunkFrame, crc32c, handoff_digest
-from ._lane import lane_host, open_lane, read_header, recv_into_exact
+from ._lane import LaneUnreachable
+from ._lane_choice import describe, open_frames
 from ._proto import handoff_pb2 as pb
 from ._shards import Shard, view
 from ._wire import shard_to_proto
@@ -105,7 +106,7 @@ class PulledTensors:
         stream: Iterator,
         timeout: float,
         arrays: list[np.ndarray] | None = None,
-        lane_capability: bytes = b"",
+        request: pb.PullRequest | None = None,
     ) -> None:
         self._client = client
         self._declared = declared
@@ -114,7 +115,7 @@ class PulledTensors:
         self._handoff_id = handoff_id
         self._stream = stream
         self._timeout = timeout
-        self._lane_capability = lane_capability
+        self._request = request or pb.PullRequest()
         self._handoff: Handoff | None = None
         self.claim = 0
         """The claim's generation, once the header has come."""
@@ -195,21 +196,26 @@ class PulledTensors:
         """Receive the chunks on the pull's lane, each straight into its place in the arrays after its bounds are
         checked, then its CRC32C; as on the stream, yield each tensor once whole."""
         model = contract.model
-        if not self._lane_capability:
-            raise MalformedRequest("the broker named a lane for a pull that offered none", model)
-        host = lane_host(lane.host, self._client.target)
+        capability = self._request.lane_capability
+        if not capability or lane.kind != (self._request.lane_kind or pb.LANE_KIND_TCP):
+            raise MalformedRequest("the broker named a lane for a pull that offered none, or another kind", model)
         try:
-            with open_lane(host, lane.port, self._lane_capability, self._timeout) as sock:
-                while not (frame := read_header(sock)).end:
+            frames = open_frames(lane, self._client.target, capability, self._timeout)
+            try:
+                while not (frame := frames.read_header()).end:
                     if frame.index >= len(contract.carried):
                         raise MalformedRequest(f"lane frame for tensor index {frame.index} of {len(contract.carried)}")
                     spans[frame.index].add(frame.offset, frame.length)  # bounds and overlap, before the bytes land
                     into = memoryview(flats[frame.index])[frame.offset : frame.offset + frame.length]
-                    recv_into_exact(sock, into)
+                    frames.read_into(frame, into)
                     if _checked(spans[frame.index], entries, frame.index, frame.offset, into, frame.crc):
                         yield contract.carried[frame.index], arrays[frame.index]
+            finally:
+                frames.close()
         except (OSError, ValueError) as e:  # (LaneClosed, LaneUnreachable and socket timeouts are OSErrors)
-            broken = LaneBroken(model, f"the pull's lane at {host}:{lane.port}: {e}")
+            if isinstance(e, LaneUnreachable):
+                self._client._lane_unreachable(lane)
+            broken = LaneBroken(model, f"the pull's {describe(lane, self._client.target)}: {e}")
             self._stream_status()  # the broker may have ended the call (the push failed, a cancel): that says why
             raise broken from None
 

@@ -108,12 +108,15 @@ class BrokerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_streams_per_connection: int = 100
     push_deadline: float = 600.0
-    # The TCP lane for bulk bytes (docs/lanes.md): on unless turned off, and never offered while the broker serves
-    # TLS (the lane is not encrypted yet). Its port (0: any free one), the host clients should connect to (empty:
-    # the one they reached the broker at), and the smallest hand-off moved on it.
+    # The lanes for bulk bytes (docs/lanes.md), on unless turned off: the TCP lane, never offered while the broker
+    # serves TLS (it is not encrypted yet), on its port (0: any free one), advertising the host clients should
+    # connect to (empty: the one they reached the broker at); the shared-memory lane for clients on this host, on
+    # its Unix socket (empty: one in a new private directory); the smallest hand-off moved on either.
     lanes: bool = True
     lane_port: int = 0
     lane_advertise_host: str = ""
+    shared_memory_lane: bool = True
+    lane_socket: str = ""
     lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES
 
 
@@ -160,12 +163,12 @@ class Broker:
         ]
         self.admission = Admission.for_workers(config.workers)
         self.watchdog = Watchdog()
-        offer_lanes = config.lanes and config.tls_cert is None
+        tcp_lane = (config.host, config.lane_port) if config.lanes and config.tls_cert is None else None
+        lane_socket = config.lane_socket if config.lanes and config.shared_memory_lane else None
         # Every port is bound here, before anything serves: one taken fails the start naming it, and none is left open.
         self.lanes = None
-        if offer_lanes:
-            self.lanes = _bound("the TCP lane (--lane-port)", config.host, config.lane_port,
-                                lambda: LaneListener(config.host, config.lane_port, config.lane_advertise_host))  # fmt: skip
+        if tcp_lane is not None or lane_socket is not None:
+            self.lanes = LaneListener(tcp_lane, config.lane_advertise_host, lane_socket)  # (its errors name it)
         servicer = HandoffBrokerServicer(
             self.store,
             self.metrics,
@@ -228,7 +231,10 @@ class Broker:
         self.store.start()
         if self.lanes is not None:
             self.lanes.start()
-            logger.info("TCP lane on %s:%d", _bracketed(self.config.host), self.lanes.port)
+            if self.lanes.port is not None:
+                logger.info("TCP lane on %s:%d", _bracketed(self.config.host), self.lanes.port)
+            if self.lanes.socket_path is not None:
+                logger.info("shared-memory lane on %s", self.lanes.socket_path)
         self.server.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -172,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--advertise", metavar="HOST:PORT", help="the address to register (default: --host:--port)")
     serve.add_argument("--etcd-lease", type=int, default=5, help="seconds the etcd lease outlives a dead broker (5)")
     serve.add_argument("--no-lanes", dest="lanes", action="store_false",
-                       help="offer no TCP lane: every byte on the gRPC streams")  # fmt: skip
+                       help="offer no lane: every byte on the gRPC streams")  # fmt: skip
+    serve.add_argument("--no-shared-memory-lane", dest="shared_memory_lane", action="store_false",
+                       help="offer no shared-memory lane to clients on this host (they take the TCP lane)")  # fmt: skip
+    serve.add_argument("--lane-socket", default="",
+                       help="the shared-memory lane's Unix socket (default: one in a new private directory)")  # fmt: skip
     serve.add_argument("--lane-port", type=int, default=0, help="the TCP lane's port (0: any free one)")
     serve.add_argument("--lane-advertise-host", default="",
                        help="the host clients open lanes to (default: the one they reached the broker at)")  # fmt: skip

@@ -135,6 +135,8 @@ def serve(args: argparse.Namespace) -> int:
         lanes=args.lanes,
         lane_port=args.lane_port,
         lane_advertise_host=args.lane_advertise_host,
+        shared_memory_lane=args.shared_memory_lane,
+        lane_socket=args.lane_socket,
         lane_min_bytes=args.lane_min_bytes,
         keepalive_seconds=args.keepalive,
         keepalive_timeout_seconds=args.keepalive_timeout,

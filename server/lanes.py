@@ -1,4 +1,5 @@
-"""The broker's TCP lane: where a push's or a pull's bytes may travel instead of its gRPC stream.
+"""The broker's lanes: where a push's or a pull's bytes may travel instead of its gRPC stream — a TCP listener, and
+a Unix socket for the shared-memory lane (clients on the broker's host, of the broker's user).
 
 The gRPC call stays the control plane: its handler registers the capability the client sent on the call
 (`expect`), and the connection that presents it first, within the call's wait, is handed to that handler alone.
@@ -7,14 +8,21 @@ OPENING_TIMEOUT for its call to register that capability (a pusher opens its lan
 call may not have read yet), MAX_OPENINGS at a time; one that presents anything else is closed unanswered. A
 capability is single-use, void once its call ends, and bound to that call's hand-off and direction by being known
 only to its handler.
-The wire is handoff_client/_lane.py (and docs/lanes.md).
+A connection on the Unix socket is accepted only from a peer of the broker's own user (SO_PEERCRED), and the
+socket sits in a directory only that user can enter.
+The wire is handoff_client/_lane.py and _ring.py (and docs/lanes.md).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import selectors
+import shutil
 import socket
+import stat
+import struct
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -64,13 +72,41 @@ class _Opening:
 
 
 class LaneListener:
-    """A TCP listener for lanes, and the capabilities the calls under way expect. One thread reads every opening
-    (non-blocking, through a selector): a connection costs no thread of its own, only its socket and 40 bytes."""
+    """The lanes' listeners, and the capabilities the calls under way expect. One thread reads every opening
+    (non-blocking, through a selector): a connection costs no thread of its own, only its socket and 40 bytes.
 
-    def __init__(self, host: str, port: int = 0, advertise_host: str = "") -> None:
-        self._listener = socket.create_server((host, port), family=_family(host), backlog=128)
-        self._listener.setblocking(False)
-        self.port: int = self._listener.getsockname()[1]
+    `tcp` listens for the TCP lane on (host, port); `socket_path` for the shared-memory lane ("": a socket in a new
+    directory of the broker's own, removed at close; None: no shared-memory lane)."""
+
+    def __init__(self, tcp: tuple[str, int] | None, advertise_host: str = "", socket_path: str | None = None) -> None:
+        self._listeners: list[socket.socket] = []
+        self._own_directory: str | None = None
+        self.port: int | None = None  # the TCP lane's, if offered
+        self.socket_path: str | None = None  # the shared-memory lane's, if offered
+        try:
+            if tcp is not None:
+                host, port = tcp
+                try:
+                    listener = socket.create_server((host, port), family=_family(host), backlog=128)
+                except OSError as e:
+                    raise OSError(
+                        f"cannot listen for the TCP lane (--lane-port) on {host}:{port}: {e.strerror or e}"
+                    ) from None
+                self._listeners.append(listener)
+                self.port = listener.getsockname()[1]
+            if socket_path is not None:
+                try:
+                    self._listeners.append(self._unix_listener(socket_path))
+                except OSError as e:
+                    where = socket_path or "a new private directory"
+                    raise OSError(
+                        f"cannot listen for the shared-memory lane (--lane-socket) at {where}: {e.strerror or e}"
+                    ) from None
+        except BaseException:
+            self._unlisten()
+            raise
+        for listener in self._listeners:
+            listener.setblocking(False)
         self.advertise_host = advertise_host  # empty: the client uses the host it reached the broker at
         self._expected: dict[bytes, Expected] = {}
         self._voided: OrderedDict[bytes, None] = OrderedDict()
@@ -81,6 +117,33 @@ class LaneListener:
         self._closed = False
         self._thread = threading.Thread(target=self._serve_forever, name="handoff-lane-openings", daemon=True)
 
+    def _unix_listener(self, path: str) -> socket.socket:
+        """The shared-memory lane's socket: at `path` (one left by a broker that is gone is replaced), or in a new
+        directory only this user can enter; either way a socket only this user may connect to."""
+        if not path:
+            self._own_directory = tempfile.mkdtemp(prefix="handoff-broker-")  # (mode 0700)
+            path = os.path.join(self._own_directory, "lane.sock")
+        elif _stale_socket(path):
+            os.unlink(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(path)
+            os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+            listener.listen(128)
+        except BaseException:
+            listener.close()
+            raise
+        self.socket_path = path
+        return listener
+
+    def _unlisten(self) -> None:
+        for listener in self._listeners:
+            listener.close()
+        if self.socket_path is not None and _stale_socket(self.socket_path):
+            os.unlink(self.socket_path)
+        if self._own_directory is not None:
+            shutil.rmtree(self._own_directory, ignore_errors=True)
+
     def start(self) -> None:
         self._thread.start()
 
@@ -89,7 +152,7 @@ class LaneListener:
         self._wake()
         if self._thread.ident is not None:  # (a broker whose start failed closes a listener never started)
             self._thread.join(timeout=5)
-        self._listener.close()
+        self._unlisten()
         self._wake_reader.close()
         self._wake_writer.close()
         with self._lock:
@@ -135,14 +198,15 @@ class LaneListener:
 
     def _serve_forever(self) -> None:
         with selectors.DefaultSelector() as selector:
-            selector.register(self._listener, selectors.EVENT_READ)
+            for listener in self._listeners:
+                selector.register(listener, selectors.EVENT_READ, "listener")
             selector.register(self._wake_reader, selectors.EVENT_READ)
             while not self._closed:
                 deadlines = [opening.deadline for opening in self._openings.values()]
                 timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
                 for key, _ in selector.select(timeout):
-                    if key.fileobj is self._listener:
-                        self._accept(selector)
+                    if key.data == "listener":
+                        self._accept(selector, key.fileobj)  # type: ignore[arg-type]
                     elif key.fileobj is self._wake_reader:
                         _drain(self._wake_reader)
                     else:
@@ -151,16 +215,20 @@ class LaneListener:
             for opening in list(self._openings.values()):
                 _close(opening.sock)
 
-    def _accept(self, selector: selectors.BaseSelector) -> None:
+    def _accept(self, selector: selectors.BaseSelector, listener: socket.socket) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # out of descriptors, say: the next readiness tries again
                 return
             if len(self._openings) >= MAX_OPENINGS:
                 _close(sock)  # too many openings under way: this one is not read at all
+                continue
+            if sock.family == socket.AF_UNIX and (uid := _peer_uid(sock)) != os.geteuid():
+                logger.warning("a shared-memory lane connection from user %s, not the broker's: closed", uid)
+                _close(sock)
                 continue
             sock.setblocking(False)
             self._openings[sock] = _Opening(sock, time.monotonic() + OPENING_TIMEOUT)
@@ -197,7 +265,8 @@ class LaneListener:
                     self._void(waiting.capability)  # single-use: a second connection presenting it is refused at once
                     del self._openings[opening.sock]
                     opening.sock.setblocking(True)
-                    tune(opening.sock)
+                    if opening.sock.family != socket.AF_UNIX:
+                        tune(opening.sock)
                     waiting.sock = opening.sock
                     waiting.arrived.set()
                     continue
@@ -210,6 +279,31 @@ class LaneListener:
             selector.unregister(opening.sock)
         del self._openings[opening.sock]
         _close(opening.sock)
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    """The user of the process at the other end of a Unix socket (as the kernel saw it connect)."""
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
+def _stale_socket(path: str) -> bool:
+    """A socket file at `path` that nothing listens on any more."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+    except FileNotFoundError:
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -54,8 +54,9 @@ class Metrics:
         )
         self.lane_bytes = Counter(
             "handoff_lane_bytes_total",
-            "Tensor bytes moved on a TCP lane instead of a stream (of those received and sent), by kind (push: received, pull: sent).",
-            ["model", "kind"],
+            "Tensor bytes moved on a lane instead of a stream (of those received and sent), by kind (push: received, "
+            "pull: sent) and lane (tcp, shm).",
+            ["model", "kind", "lane"],
             registry=registry,
         )
         self.confirms = Counter(

@@ -32,7 +32,7 @@ from handoff_client._wire import (
 
 from .admission import Admission
 from .auth import authorize_model, may_see
-from .lane_calls import LaneCall, lane_offer, received_chunks, send_chunks, send_lane_end
+from .lane_calls import LaneCall, lane_offer, lane_offers, received_chunks, send_chunks, send_lane_end
 from .lanes import LaneListener
 from .metrics import Metrics
 from .rpc import mapped, mapped_stream
@@ -158,8 +158,8 @@ class HandoffBrokerServicer:
                     waiting.give_back()
             try:
                 if lane is not None:
-                    sock = lane.open(self.idle_timeout)
-                    for chunk in received_chunks(sock, session.contract, header.model, self.idle_timeout,
+                    frames = lane.open(self.idle_timeout, session.contract.nbytes)
+                    for chunk in received_chunks(frames, session.contract, header.model, self.idle_timeout,
                                                  self.max_message_bytes):  # fmt: skip
                         session.add(chunk)
                 for message in requests:  # (after a lane, nothing more may come)
@@ -200,11 +200,11 @@ class HandoffBrokerServicer:
         elapsed = time.monotonic() - started
         self.metrics.bytes_in.labels(model).inc(result.bytes)
         if lane is not None:
-            self.metrics.lane_bytes.labels(model, "push").inc(result.bytes)
+            self.metrics.lane_bytes.labels(model, "push", lane.kind).inc(result.bytes)
         self.metrics.push_seconds.labels(model).observe(elapsed)
         logger.info(
             "push %s/%s %s: %d bytes in %d chunks%s, %.1f ms",
-            header.model, header.handoff_id, outcome, result.bytes, result.chunks, " on its lane" if lane else "",
+            header.model, header.handoff_id, outcome, result.bytes, result.chunks, f" on its {lane.kind} lane" if lane else "",
             elapsed * 1000,
         )  # fmt: skip
         return pb.PushResponse(
@@ -283,14 +283,16 @@ class HandoffBrokerServicer:
         if not context.add_callback(ended):  # the caller is already gone: the claim goes back at once
             ended()
             return
-        on_lane = lane is not None and claim.nbytes >= self.lane_min_bytes
-        yield _pull_header(claim, request.shard, lane.offer(self.lane_min_bytes) if on_lane else None)
-        sock = lane.open(self.idle_timeout) if on_lane else None
+        offer = lane_offer(self.lanes, self.lane_min_bytes, request.lane_kind) if lane is not None else None
+        if claim.nbytes < self.lane_min_bytes:
+            offer = None
+        yield _pull_header(claim, request.shard, offer)
+        frames = lane.open(self.idle_timeout, claim.nbytes) if lane is not None and offer is not None else None
         fed = 0
         while True:
             chunks, digest = self.store.feed(claim, fed, _wait_budget(context))
-            if sock is not None:
-                for _ in send_chunks(sock, chunks, claim.model):
+            if frames is not None:
+                for _ in send_chunks(frames, chunks, claim.model):
                     self.store.note_streamed(claim)
             else:
                 for chunk in chunks:
@@ -299,19 +301,19 @@ class HandoffBrokerServicer:
             fed += len(chunks)
             if digest is not None:
                 break
-        if sock is not None:
-            send_lane_end(sock, claim.model)
+        if frames is not None:
+            send_lane_end(frames, claim.model)
         progress.ending = True
         yield pb.PullResponse(end=pb.PullEnd(digest=digest)).SerializeToString()
         progress.sent_all = True
         elapsed = time.monotonic() - started
         self.metrics.bytes_out.labels(model).inc(claim.nbytes)
-        if sock is not None:
-            self.metrics.lane_bytes.labels(model, "pull").inc(claim.nbytes)
+        if lane is not None and frames is not None:
+            self.metrics.lane_bytes.labels(model, "pull", lane.kind).inc(claim.nbytes)
         self.metrics.pull_seconds.labels(model).observe(elapsed)
         logger.info(
             "pull %s/%s streamed to claim %d: %d bytes%s, %.1f ms",
-            claim.model, claim.handoff_id, claim.generation, claim.nbytes, " on its lane" if sock else "",
+            claim.model, claim.handoff_id, claim.generation, claim.nbytes, f" on its {lane.kind} lane" if lane and frames else "",
             elapsed * 1000,
         )  # fmt: skip
 
@@ -348,7 +350,7 @@ class HandoffBrokerServicer:
     def GetLanes(self, request: pb.LanesRequest, context: grpc.ServicerContext) -> pb.LanesResponse:
         if self.lanes is None:
             return pb.LanesResponse()
-        return pb.LanesResponse(lanes=[lane_offer(self.lanes, self.lane_min_bytes)])
+        return pb.LanesResponse(lanes=lane_offers(self.lanes, self.lane_min_bytes))
 
     @mapped
     def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:

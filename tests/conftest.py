@@ -21,18 +21,20 @@ def contracts() -> dict[str, Contract]:
 
 
 PATHS: dict[str, dict[str, object]] = {
-    "default": {},  # as a broker serves by default: large hand-offs on the TCP lane, small ones on the stream
+    "default": {},  # as a broker serves by default: large hand-offs on a lane (these clients, on the broker's host,
+    # take its shared-memory lane), small ones on the stream
     "stream": {"lanes": False},  # every byte on the gRPC streams
-    "lane": {"lane_min_bytes": 1},  # every byte a client can send on a lane, on the lane
+    "tcp": {"lane_min_bytes": 1, "shared_memory_lane": False},  # every byte a client can send on a lane, on the TCP lane
+    "shm": {"lane_min_bytes": 1},  # ... on the shared-memory lane
 }
 """The paths a hand-off's bytes can take. A test module that sets `EVERY_PATH = True` runs each of its tests once on
-each of "stream" and "lane" (the brokers it starts serve that path), so the lane keeps every promise the stream
-makes."""
+each of "stream", "tcp" and "shm" (the brokers it starts serve that path), so each lane keeps every promise the
+stream makes."""
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if getattr(metafunc.module, "EVERY_PATH", False) and "path" in metafunc.fixturenames:
-        metafunc.parametrize("path", ["stream", "lane"])
+        metafunc.parametrize("path", ["stream", "tcp", "shm"])
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import AlreadyClaimed, HandoffClient, HandoffError, HandoffGone, WaitTimedOut
 from support import open_channel, raw_pull
 
-EVERY_PATH = True  # each test once with the bytes on the gRPC streams, once on the TCP lane (conftest.PATHS)
+EVERY_PATH = True  # each test on the gRPC streams, the TCP lane and the shared-memory lane (conftest.PATHS)
 
 WORKERS = Path(__file__).parent / "workers.py"
 

@@ -1,6 +1,7 @@
 """The TCP lane (docs/lanes.md): a hand-off's bytes beside its gRPC call, with every guarantee of the stream.
 
-Each test runs a real broker on loopback; the lane's faults are made by speaking the lane's wire by hand.
+Each test runs a real broker on loopback, serving no shared-memory lane (test_shm_lane.py has that one), so that
+these clients, on the broker's host, take the TCP lane; the lane's faults are made by speaking its wire by hand.
 """
 
 from __future__ import annotations
@@ -37,14 +38,18 @@ ROWS, COLS = 1024, 1024  # 4 MiB a tensor in float32: well past the lane's 1 MiB
 LARGE = Contract("large", ROWS + 1, 64, tuple(Carried(f"k{i}", i, ROWS, COLS, "float32") for i in range(4)))
 
 
+TCP_ONLY = {"shared_memory_lane": False}
+
+
 @pytest.fixture
 def lane_broker(start_broker):
-    return start_broker(contracts={"large": LARGE}, idle_timeout=2.0, max_bytes=256 << 20)
+    return start_broker(contracts={"large": LARGE}, idle_timeout=2.0, max_bytes=256 << 20, **TCP_ONLY)
 
 
 def lane_bytes(broker, model: str, kind: str) -> float:
-    """What the broker's handoff_lane_bytes_total says moved on lanes."""
-    return broker.registry.get_sample_value("handoff_lane_bytes_total", {"model": model, "kind": kind}) or 0
+    """What the broker's handoff_lane_bytes_total says moved on the TCP lane."""
+    labels = {"model": model, "kind": kind, "lane": "tcp"}
+    return broker.registry.get_sample_value("handoff_lane_bytes_total", labels) or 0
 
 
 def test_a_large_hand_off_goes_on_the_lane_both_ways_and_arrives_bit_for_bit(lane_broker):
@@ -58,7 +63,7 @@ def test_a_large_hand_off_goes_on_the_lane_both_ways_and_arrives_bit_for_bit(lan
 
 
 def test_a_hand_off_under_the_lanes_floor_and_a_client_without_lanes_use_the_stream(start_broker, contracts):
-    broker = start_broker(contracts={**contracts, "large": LARGE})
+    broker = start_broker(contracts={**contracts, "large": LARGE}, **TCP_ONLY)
     small = seeded_tensors(contracts["every-dtype"])
     large = seeded_tensors(LARGE)
     with HandoffClient(broker.address) as client, HandoffClient(broker.address, lanes=False) as streams_only:
@@ -82,11 +87,11 @@ def test_no_lanes_offers_none_and_a_push_that_asks_anyway_is_told_to_use_the_str
         assert isinstance(error, LaneBroken) and "offers no lane" in error.message
 
 
-def test_a_broker_serving_tls_offers_no_lane_so_no_byte_travels_unencrypted(start_broker):
-    """The lane is plain TCP: where the calls are encrypted, the bytes stay on them."""
+def test_a_broker_serving_tls_offers_no_tcp_lane_so_no_byte_crosses_the_network_unencrypted(start_broker):
+    """The TCP lane is not encrypted: where the calls are, the bytes stay on them (or on the shared-memory lane)."""
     ca = Authority("handoff test CA")
     server = ca.issue("localhost", server=True)
-    broker = start_broker(contracts={"large": LARGE}, tls_cert=server.cert, tls_key=server.key)
+    broker = start_broker(contracts={"large": LARGE}, tls_cert=server.cert, tls_key=server.key, **TCP_ONLY)
     tensors = seeded_tensors(LARGE)
     with HandoffClient(broker.address, tls_root_certificates=ca.pem, tls_server_name="localhost") as client:
         assert client.lane() is None
@@ -160,7 +165,7 @@ def test_a_pull_that_never_opens_its_lane_returns_the_claim_after_the_idle_timeo
 
 def test_a_cancel_ends_a_pull_on_its_lane_and_frees_everything(start_broker):
     wide = Contract("wide", 2, 64, tuple(Carried(f"k{i}", i, 4096, 4096, "float32") for i in range(4)))  # 256 MiB
-    broker = start_broker(contracts={"wide": wide}, max_bytes=512 << 20)
+    broker = start_broker(contracts={"wide": wide}, max_bytes=512 << 20, **TCP_ONLY)
     with HandoffClient(broker.address) as client:
         client.push("wide", "r", 1, {c.name: np.zeros(c.shape, np.float32) for c in wide.carried})
         capability = new_capability()
@@ -176,7 +181,7 @@ def test_a_cancel_ends_a_pull_on_its_lane_and_frees_everything(start_broker):
 
 def test_a_reader_that_stops_reading_its_lane_is_revoked_after_the_lease(start_broker):
     wide = Contract("wide", 2, 64, tuple(Carried(f"k{i}", i, 4096, 4096, "float32") for i in range(4)))  # 256 MiB
-    broker = start_broker(contracts={"wide": wide}, lease=1.0, max_bytes=512 << 20)
+    broker = start_broker(contracts={"wide": wide}, lease=1.0, max_bytes=512 << 20, **TCP_ONLY)
     tensors = {c.name: np.full(c.shape, i, np.float32) for i, c in enumerate(wide.carried)}
     with HandoffClient(broker.address) as client:
         client.push("wide", "r", 1, tensors)
@@ -280,12 +285,13 @@ def _claimed_on_a_lane(client: HandoffClient, broker, tensors: dict[str, np.ndar
     return capability, stream, next(stream)
 
 
-def _pull_call(address: str, handoff_id: str, capability: bytes, model: str = "large"):
-    """An open pull stream offering a lane; decoded, not acted on. Errors come as our exceptions."""
+def _pull_call(address: str, handoff_id: str, capability: bytes, model: str = "large", lane_kind: int = 0):
+    """An open pull stream offering a lane (of `lane_kind`; 0 means TCP); decoded, not acted on. Errors come as our
+    exceptions."""
     channel = open_channel(address)
     pull = channel.unary_stream(method_path("PullHandoff"), request_serializer=pb.PullRequest.SerializeToString,
                                 response_deserializer=decode_pull_response)  # fmt: skip
-    request = pb.PullRequest(model=model, handoff_id=handoff_id, lane_capability=capability)
+    request = pb.PullRequest(model=model, handoff_id=handoff_id, lane_capability=capability, lane_kind=lane_kind)
     return _translated(pull(request, timeout=30), channel)
 
 

@@ -13,7 +13,7 @@ from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import HandoffClient, HandoffError
 from support import chunk_frames, header_frame, raw_push
 
-EVERY_PATH = True  # each test once with the bytes on the gRPC streams, once on the TCP lane (conftest.PATHS)
+EVERY_PATH = True  # each test on the gRPC streams, the TCP lane and the shared-memory lane (conftest.PATHS)
 
 
 def test_the_broker_publishes_its_contracts(client: HandoffClient, contracts):

@@ -50,7 +50,7 @@ from test_claims import wait_until
 from proxy import Proxy
 from support import broker_holds, chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
 
-EVERY_PATH = True  # each test once with the bytes on the gRPC streams, once on the TCP lane (conftest.PATHS)
+EVERY_PATH = True  # each test on the gRPC streams, the TCP lane and the shared-memory lane (conftest.PATHS)
 
 CONFIGS = Path(__file__).parent / "configs"
 WORKERS = Path(__file__).parent / "workers.py"

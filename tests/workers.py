@@ -3,6 +3,8 @@
     python tests/workers.py pull-and-stall TARGET MODEL ID [RANK TP]   claims (a shard), reads the header and one
                                                                        chunk, then stalls
     python tests/workers.py push-and-stall TARGET MODEL ID     pushes the header and half the chunks, then stalls
+    python tests/workers.py push-on-ring-and-stall TARGET MODEL ID   a resumable push on the shared-memory lane:
+                                                                     half its chunks, then stalls holding the ring
 
 Each prints "stalled" once it is mid-stream, so the test knows when to kill it.
 
@@ -25,6 +27,11 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
 from conftest import seeded_tensors  # noqa: E402
 from handoff_client import HandoffClient, tune_allocator  # noqa: E402
+from handoff_client._frames import crc32c  # noqa: E402
+from handoff_client._lane import new_capability  # noqa: E402
+from handoff_client._proto import handoff_pb2 as pb  # noqa: E402
+from handoff_client._ring import open_ring_lane  # noqa: E402
+from handoff_client._wire import identity, method_path  # noqa: E402
 from support import chunk_frames, header_frame, open_channel, raw_pull  # noqa: E402
 
 
@@ -58,11 +65,39 @@ def push_and_stall(target: str, model: str, handoff_id: str) -> None:
     future.result()
 
 
+def push_on_ring_and_stall(target: str, model: str, handoff_id: str) -> None:
+    with HandoffClient(target) as client:
+        lane = client.lane()
+        assert lane is not None and lane.kind == pb.LANE_KIND_SHM, lane
+        contract = client.get_contract(model)
+        tensors = seeded_tensors(contract)
+        capability = new_capability()
+        header = pb.PushHeader(model=model, handoff_id=handoff_id, position=1, fingerprint=contract.fingerprint,
+                               resumable=True, lane_capability=capability)  # fmt: skip
+        push = client._channel.stream_unary(method_path("PushHandoff"), request_serializer=identity)
+        call = push.future(iter([pb.PushRequest(header=header).SerializeToString()]), timeout=120)
+        frames = open_ring_lane(lane.path, capability, timeout=30)
+        chunks = [(i, at, data) for i, c in enumerate(contract.carried)
+                  for at, data in _cut(tensors[c.name], 1 << 20)]  # fmt: skip
+        for index, offset, data in chunks[: len(chunks) // 2]:
+            frames.send(index, offset, data, crc32c(data))
+        time.sleep(0.3)  # let the broker take them in
+        print("stalled", flush=True)
+        time.sleep(120)
+        call.cancel()
+
+
+def _cut(array: np.ndarray, size: int) -> Iterator[tuple[int, memoryview]]:
+    payload = memoryview(array.reshape(-1).view(np.uint8))
+    for at in range(0, len(payload), size):
+        yield at, payload[at : at + size]
+
+
 def pull_faults(target: str, model: str, handoff_id: str, allocator: str) -> None:
     if allocator == "tuned" and not tune_allocator():
         print("untunable", flush=True)
         return
-    with HandoffClient(target, timeout=60, lanes=allocator == "lane") as client:
+    with HandoffClient(target, timeout=60, lanes=allocator == "lane", shared_memory=False) as client:
         contract = client.get_contract(model)
         into = {c.name: np.zeros(c.shape, c.numpy_dtype) for c in contract.carried}  # allocated and touched first
         client.pull(model, f"{handoff_id}-1", into=into)  # a decoder's first pulls warm its heap
@@ -76,5 +111,6 @@ def pull_faults(target: str, model: str, handoff_id: str, allocator: str) -> Non
 
 
 if __name__ == "__main__":
-    workers = {"pull-and-stall": pull_and_stall, "push-and-stall": push_and_stall, "pull-faults": pull_faults}
+    workers = {"pull-and-stall": pull_and_stall, "push-and-stall": push_and_stall, "pull-faults": pull_faults,
+               "push-on-ring-and-stall": push_on_ring_and_stall}  # fmt: skip
     workers[sys.argv[1]](*sys.argv[2:])

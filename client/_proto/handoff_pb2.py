@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18handoff/v1/handoff.proto\x12\nhandoff.v1\"\x8e\x01\n\x07\x43\x61rried\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x0c\n\x04\x63ols\x18\x04 \x01(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x1a\n\x12rows_are_positions\x18\x08 \x01(\x08\"#\n\x05Shard\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04size\x18\x02 \x01(\r\"q\n\x08\x43ontract\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0b\n\x03\x63tx\x18\x02 \x01(\x04\x12\x0e\n\x06hidden\x18\x03 \x01(\x04\x12$\n\x07\x63\x61rried\x18\x04 \x03(\x0b\x32\x13.handoff.v1.Carried\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"\x16\n\x14ListContractsRequest\"@\n\x15ListContractsResponse\x12\'\n\tcontracts\x18\x01 \x03(\x0b\x32\x14.handoff.v1.Contract\"#\n\x12GetContractRequest\x12\r\n\x05model\x18\x01 \x01(\t\"E\n\x05\x43hunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xda\x01\n\nPushHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07no_wait\x18\x06 \x01(\x08\x12\x11\n\tresumable\x18\x07 \x01(\x08\x12\x0e\n\x06resume\x18\x08 \x01(\x08\x12 \n\x05shard\x18\t \x01(\x0b\x32\x11.handoff.v1.Shard\x12\x17\n\x0flane_capability\x18\n \x01(\x0c\"c\n\x0bPushRequest\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.handoff.v1.PushHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.handoff.v1.ChunkH\x00\x42\x06\n\x04kind\"d\n\x0cPushResponse\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x11\n\tduplicate\x18\x05 \x01(\x08\"\x95\x01\n\x0bPullRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\x12\n\nsupersedes\x18\x03 \x01(\x04\x12 \n\x05shard\x18\x04 \x01(\x0b\x32\x11.handoff.v1.Shard\x12\x14\n\x0cwait_seconds\x18\x05 \x01(\x01\x12\x17\n\x0flane_capability\x18\x06 \x01(\x0c\"\xc6\x01\n\nPullHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\r\n\x05\x63laim\x18\x05 \x01(\x04\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x07 \x01(\r\x12 \n\x05shard\x18\x08 \x01(\x0b\x32\x11.handoff.v1.Shard\x12\x1e\n\x04lane\x18\t \x01(\x0b\x32\x10.handoff.v1.Lane\"\x19\n\x07PullEnd\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\"\x88\x01\n\x0cPullResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.handoff.v1.PullHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.handoff.v1.ChunkH\x00\x12\"\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x13.handoff.v1.PullEndH\x00\x42\x06\n\x04kind\"d\n\x0e\x43onfirmRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\r\n\x05\x63laim\x18\x03 \x01(\x04\x12 \n\x05shard\x18\x04 \x01(\x0b\x32\x11.handoff.v1.Shard\"\x11\n\x0f\x43onfirmResponse\"2\n\rCancelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"Z\n\x13PushProgressRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12 \n\x05shard\x18\x03 \x01(\x0b\x32\x11.handoff.v1.Shard\"I\n\x0eTensorProgress\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\'\n\x08received\x18\x02 \x03(\x0b\x32\x15.handoff.v1.ByteRange\"+\n\tByteRange\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"_\n\x0cPushProgress\x12+\n\x07tensors\x18\x01 \x03(\x0b\x32\x1a.handoff.v1.TensorProgress\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\x12\x10\n\x08position\x18\x03 \x01(\x04\"\x0f\n\rStatusRequest\"Y\n\x04Lane\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.handoff.v1.LaneKind\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x11\n\tmin_bytes\x18\x04 \x01(\x04\"\x0e\n\x0cLanesRequest\"0\n\rLanesResponse\x12\x1f\n\x05lanes\x18\x01 \x03(\x0b\x32\x10.handoff.v1.Lane\"\xd5\x01\n\x0eStatusResponse\x12\x11\n\treceiving\x18\x01 \x01(\r\x12\r\n\x05ready\x18\x02 \x01(\r\x12\x0f\n\x07\x63laimed\x18\x03 \x01(\r\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\x12\x11\n\tmax_bytes\x18\x05 \x01(\x04\x12\x16\n\x0eoldest_seconds\x18\x06 \x01(\x01\x12\x12\n\ntombstones\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\'\n\tcontracts\x18\t \x03(\x0b\x32\x14.handoff.v1.Contract*8\n\x08LaneKind\x12\x19\n\x15LANE_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rLANE_KIND_TCP\x10\x01*\xef\x04\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x12\n\x0eUNKNOWN_TENSOR\x10\x01\x12\x12\n\x0eMISSING_TENSOR\x10\x02\x12\x10\n\x0cWRONG_LENGTH\x10\x03\x12\x10\n\x0cWRONG_LAYOUT\x10\x04\x12\r\n\tBAD_CHUNK\x10\x05\x12\x19\n\x15POSITION_OUT_OF_RANGE\x10\x06\x12\x15\n\x11MALFORMED_REQUEST\x10\x07\x12\x11\n\rUNKNOWN_MODEL\x10\x08\x12\x13\n\x0fUNKNOWN_HANDOFF\x10\t\x12\x10\n\x0cHANDOFF_GONE\x10\n\x12\x12\n\x0eHANDOFF_EXISTS\x10\x0b\x12\x18\n\x14\x46INGERPRINT_MISMATCH\x10\x0c\x12\x13\n\x0f\x41LREADY_CLAIMED\x10\r\x12\x0f\n\x0bSTALE_CLAIM\x10\x0e\x12\x12\n\x0eWAIT_TIMED_OUT\x10\x0f\x12\x16\n\x12\x43\x41PACITY_EXHAUSTED\x10\x10\x12\x0c\n\x08\x44RAINING\x10\x11\x12\x15\n\x11HANDOFF_CANCELLED\x10\x12\x12\x12\n\x0eINTERNAL_ERROR\x10\x13\x12\x13\n\x0f\x44IGEST_MISMATCH\x10\x14\x12\x10\n\x0cPUSH_ABORTED\x10\x15\x12\x13\n\x0fUNAUTHENTICATED\x10\x16\x12\x15\n\x11PERMISSION_DENIED\x10\x17\x12\x15\n\x11MESSAGE_TOO_LARGE\x10\x18\x12\x10\n\x0cSHARD_LAYOUT\x10\x19\x12\x12\n\x0eSHARD_MISMATCH\x10\x1a\x12\x10\n\x0cNOT_IN_SHARD\x10\x1b\x12\x0f\n\x0b\x42ROKER_BUSY\x10\x1c\x12\x0f\n\x0bLANE_BROKEN\x10\x1d\x32\x98\x05\n\rHandoffBroker\x12T\n\rListContracts\x12 .handoff.v1.ListContractsRequest\x1a!.handoff.v1.ListContractsResponse\x12\x43\n\x0bGetContract\x12\x1e.handoff.v1.GetContractRequest\x1a\x14.handoff.v1.Contract\x12\x42\n\x0bPushHandoff\x12\x17.handoff.v1.PushRequest\x1a\x18.handoff.v1.PushResponse(\x01\x12\x42\n\x0bPullHandoff\x12\x17.handoff.v1.PullRequest\x1a\x18.handoff.v1.PullResponse0\x01\x12I\n\x0e\x43onfirmHandoff\x12\x1a.handoff.v1.ConfirmRequest\x1a\x1b.handoff.v1.ConfirmResponse\x12\x46\n\rCancelHandoff\x12\x19.handoff.v1.CancelRequest\x1a\x1a.handoff.v1.CancelResponse\x12\x42\n\tGetStatus\x12\x19.handoff.v1.StatusRequest\x1a\x1a.handoff.v1.StatusResponse\x12L\n\x0fGetPushProgress\x12\x1f.handoff.v1.PushProgressRequest\x1a\x18.handoff.v1.PushProgress\x12?\n\x08GetLanes\x12\x18.handoff.v1.LanesRequest\x1a\x19.handoff.v1.LanesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18handoff/v1/handoff.proto\x12\nhandoff.v1\"\x8e\x01\n\x07\x43\x61rried\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x0c\n\x04\x63ols\x18\x04 \x01(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x1a\n\x12rows_are_positions\x18\x08 \x01(\x08\"#\n\x05Shard\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04size\x18\x02 \x01(\r\"q\n\x08\x43ontract\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0b\n\x03\x63tx\x18\x02 \x01(\x04\x12\x0e\n\x06hidden\x18\x03 \x01(\x04\x12$\n\x07\x63\x61rried\x18\x04 \x03(\x0b\x32\x13.handoff.v1.Carried\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"\x16\n\x14ListContractsRequest\"@\n\x15ListContractsResponse\x12\'\n\tcontracts\x18\x01 \x03(\x0b\x32\x14.handoff.v1.Contract\"#\n\x12GetContractRequest\x12\r\n\x05model\x18\x01 \x01(\t\"E\n\x05\x43hunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xda\x01\n\nPushHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07no_wait\x18\x06 \x01(\x08\x12\x11\n\tresumable\x18\x07 \x01(\x08\x12\x0e\n\x06resume\x18\x08 \x01(\x08\x12 \n\x05shard\x18\t \x01(\x0b\x32\x11.handoff.v1.Shard\x12\x17\n\x0flane_capability\x18\n \x01(\x0c\"c\n\x0bPushRequest\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.handoff.v1.PushHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.handoff.v1.ChunkH\x00\x42\x06\n\x04kind\"d\n\x0cPushResponse\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x11\n\tduplicate\x18\x05 \x01(\x08\"\xbe\x01\n\x0bPullRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\x12\n\nsupersedes\x18\x03 \x01(\x04\x12 \n\x05shard\x18\x04 \x01(\x0b\x32\x11.handoff.v1.Shard\x12\x14\n\x0cwait_seconds\x18\x05 \x01(\x01\x12\x17\n\x0flane_capability\x18\x06 \x01(\x0c\x12\'\n\tlane_kind\x18\x07 \x01(\x0e\x32\x14.handoff.v1.LaneKind\"\xc6\x01\n\nPullHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\r\n\x05\x63laim\x18\x05 \x01(\x04\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x07 \x01(\r\x12 \n\x05shard\x18\x08 \x01(\x0b\x32\x11.handoff.v1.Shard\x12\x1e\n\x04lane\x18\t \x01(\x0b\x32\x10.handoff.v1.Lane\"\x19\n\x07PullEnd\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\"\x88\x01\n\x0cPullResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.handoff.v1.PullHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.handoff.v1.ChunkH\x00\x12\"\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x13.handoff.v1.PullEndH\x00\x42\x06\n\x04kind\"d\n\x0e\x43onfirmRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\r\n\x05\x63laim\x18\x03 \x01(\x04\x12 \n\x05shard\x18\x04 \x01(\x0b\x32\x11.handoff.v1.Shard\"\x11\n\x0f\x43onfirmResponse\"2\n\rCancelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"Z\n\x13PushProgressRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12 \n\x05shard\x18\x03 \x01(\x0b\x32\x11.handoff.v1.Shard\"I\n\x0eTensorProgress\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\'\n\x08received\x18\x02 \x03(\x0b\x32\x15.handoff.v1.ByteRange\"+\n\tByteRange\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"_\n\x0cPushProgress\x12+\n\x07tensors\x18\x01 \x03(\x0b\x32\x1a.handoff.v1.TensorProgress\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\x12\x10\n\x08position\x18\x03 \x01(\x04\"\x0f\n\rStatusRequest\"x\n\x04Lane\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.handoff.v1.LaneKind\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x11\n\tmin_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x0f\n\x07host_id\x18\x06 \x01(\t\"\x0e\n\x0cLanesRequest\"0\n\rLanesResponse\x12\x1f\n\x05lanes\x18\x01 \x03(\x0b\x32\x10.handoff.v1.Lane\"\xd5\x01\n\x0eStatusResponse\x12\x11\n\treceiving\x18\x01 \x01(\r\x12\r\n\x05ready\x18\x02 \x01(\r\x12\x0f\n\x07\x63laimed\x18\x03 \x01(\r\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\x12\x11\n\tmax_bytes\x18\x05 \x01(\x04\x12\x16\n\x0eoldest_seconds\x18\x06 \x01(\x01\x12\x12\n\ntombstones\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\'\n\tcontracts\x18\t \x03(\x0b\x32\x14.handoff.v1.Contract*K\n\x08LaneKind\x12\x19\n\x15LANE_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rLANE_KIND_TCP\x10\x01\x12\x11\n\rLANE_KIND_SHM\x10\x02*\xef\x04\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x12\n\x0eUNKNOWN_TENSOR\x10\x01\x12\x12\n\x0eMISSING_TENSOR\x10\x02\x12\x10\n\x0cWRONG_LENGTH\x10\x03\x12\x10\n\x0cWRONG_LAYOUT\x10\x04\x12\r\n\tBAD_CHUNK\x10\x05\x12\x19\n\x15POSITION_OUT_OF_RANGE\x10\x06\x12\x15\n\x11MALFORMED_REQUEST\x10\x07\x12\x11\n\rUNKNOWN_MODEL\x10\x08\x12\x13\n\x0fUNKNOWN_HANDOFF\x10\t\x12\x10\n\x0cHANDOFF_GONE\x10\n\x12\x12\n\x0eHANDOFF_EXISTS\x10\x0b\x12\x18\n\x14\x46INGERPRINT_MISMATCH\x10\x0c\x12\x13\n\x0f\x41LREADY_CLAIMED\x10\r\x12\x0f\n\x0bSTALE_CLAIM\x10\x0e\x12\x12\n\x0eWAIT_TIMED_OUT\x10\x0f\x12\x16\n\x12\x43\x41PACITY_EXHAUSTED\x10\x10\x12\x0c\n\x08\x44RAINING\x10\x11\x12\x15\n\x11HANDOFF_CANCELLED\x10\x12\x12\x12\n\x0eINTERNAL_ERROR\x10\x13\x12\x13\n\x0f\x44IGEST_MISMATCH\x10\x14\x12\x10\n\x0cPUSH_ABORTED\x10\x15\x12\x13\n\x0fUNAUTHENTICATED\x10\x16\x12\x15\n\x11PERMISSION_DENIED\x10\x17\x12\x15\n\x11MESSAGE_TOO_LARGE\x10\x18\x12\x10\n\x0cSHARD_LAYOUT\x10\x19\x12\x12\n\x0eSHARD_MISMATCH\x10\x1a\x12\x10\n\x0cNOT_IN_SHARD\x10\x1b\x12\x0f\n\x0b\x42ROKER_BUSY\x10\x1c\x12\x0f\n\x0bLANE_BROKEN\x10\x1d\x32\x98\x05\n\rHandoffBroker\x12T\n\rListContracts\x12 .handoff.v1.ListContractsRequest\x1a!.handoff.v1.ListContractsResponse\x12\x43\n\x0bGetContract\x12\x1e.handoff.v1.GetContractRequest\x1a\x14.handoff.v1.Contract\x12\x42\n\x0bPushHandoff\x12\x17.handoff.v1.PushRequest\x1a\x18.handoff.v1.PushResponse(\x01\x12\x42\n\x0bPullHandoff\x12\x17.handoff.v1.PullRequest\x1a\x18.handoff.v1.PullResponse0\x01\x12I\n\x0e\x43onfirmHandoff\x12\x1a.handoff.v1.ConfirmRequest\x1a\x1b.handoff.v1.ConfirmResponse\x12\x46\n\rCancelHandoff\x12\x19.handoff.v1.CancelRequest\x1a\x1a.handoff.v1.CancelResponse\x12\x42\n\tGetStatus\x12\x19.handoff.v1.StatusRequest\x1a\x1a.handoff.v1.StatusResponse\x12L\n\x0fGetPushProgress\x12\x1f.handoff.v1.PushProgressRequest\x1a\x18.handoff.v1.PushProgress\x12?\n\x08GetLanes\x12\x18.handoff.v1.LanesRequest\x1a\x19.handoff.v1.LanesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'handoff.v1.handoff_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LANEKIND']._serialized_start=2387
-  _globals['_LANEKIND']._serialized_end=2443
-  _globals['_ERRORREASON']._serialized_start=2446
-  _globals['_ERRORREASON']._serialized_end=3069
+  _globals['_LANEKIND']._serialized_start=2459
+  _globals['_LANEKIND']._serialized_end=2534
+  _globals['_ERRORREASON']._serialized_start=2537
+  _globals['_ERRORREASON']._serialized_end=3160
   _globals['_CARRIED']._serialized_start=41
   _globals['_CARRIED']._serialized_end=183
   _globals['_SHARD']._serialized_start=185
@@ -56,39 +56,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHRESPONSE']._serialized_start=857
   _globals['_PUSHRESPONSE']._serialized_end=957
   _globals['_PULLREQUEST']._serialized_start=960
-  _globals['_PULLREQUEST']._serialized_end=1109
-  _globals['_PULLHEADER']._serialized_start=1112
-  _globals['_PULLHEADER']._serialized_end=1310
-  _globals['_PULLEND']._serialized_start=1312
-  _globals['_PULLEND']._serialized_end=1337
-  _globals['_PULLRESPONSE']._serialized_start=1340
-  _globals['_PULLRESPONSE']._serialized_end=1476
-  _globals['_CONFIRMREQUEST']._serialized_start=1478
-  _globals['_CONFIRMREQUEST']._serialized_end=1578
-  _globals['_CONFIRMRESPONSE']._serialized_start=1580
-  _globals['_CONFIRMRESPONSE']._serialized_end=1597
-  _globals['_CANCELREQUEST']._serialized_start=1599
-  _globals['_CANCELREQUEST']._serialized_end=1649
-  _globals['_CANCELRESPONSE']._serialized_start=1651
-  _globals['_CANCELRESPONSE']._serialized_end=1686
-  _globals['_PUSHPROGRESSREQUEST']._serialized_start=1688
-  _globals['_PUSHPROGRESSREQUEST']._serialized_end=1778
-  _globals['_TENSORPROGRESS']._serialized_start=1780
-  _globals['_TENSORPROGRESS']._serialized_end=1853
-  _globals['_BYTERANGE']._serialized_start=1855
-  _globals['_BYTERANGE']._serialized_end=1898
-  _globals['_PUSHPROGRESS']._serialized_start=1900
-  _globals['_PUSHPROGRESS']._serialized_end=1995
-  _globals['_STATUSREQUEST']._serialized_start=1997
-  _globals['_STATUSREQUEST']._serialized_end=2012
-  _globals['_LANE']._serialized_start=2014
-  _globals['_LANE']._serialized_end=2103
-  _globals['_LANESREQUEST']._serialized_start=2105
-  _globals['_LANESREQUEST']._serialized_end=2119
-  _globals['_LANESRESPONSE']._serialized_start=2121
-  _globals['_LANESRESPONSE']._serialized_end=2169
-  _globals['_STATUSRESPONSE']._serialized_start=2172
-  _globals['_STATUSRESPONSE']._serialized_end=2385
-  _globals['_HANDOFFBROKER']._serialized_start=3072
-  _globals['_HANDOFFBROKER']._serialized_end=3736
+  _globals['_PULLREQUEST']._serialized_end=1150
+  _globals['_PULLHEADER']._serialized_start=1153
+  _globals['_PULLHEADER']._serialized_end=1351
+  _globals['_PULLEND']._serialized_start=1353
+  _globals['_PULLEND']._serialized_end=1378
+  _globals['_PULLRESPONSE']._serialized_start=1381
+  _globals['_PULLRESPONSE']._serialized_end=1517
+  _globals['_CONFIRMREQUEST']._serialized_start=1519
+  _globals['_CONFIRMREQUEST']._serialized_end=1619
+  _globals['_CONFIRMRESPONSE']._serialized_start=1621
+  _globals['_CONFIRMRESPONSE']._serialized_end=1638
+  _globals['_CANCELREQUEST']._serialized_start=1640
+  _globals['_CANCELREQUEST']._serialized_end=1690
+  _globals['_CANCELRESPONSE']._serialized_start=1692
+  _globals['_CANCELRESPONSE']._serialized_end=1727
+  _globals['_PUSHPROGRESSREQUEST']._serialized_start=1729
+  _globals['_PUSHPROGRESSREQUEST']._serialized_end=1819
+  _globals['_TENSORPROGRESS']._serialized_start=1821
+  _globals['_TENSORPROGRESS']._serialized_end=1894
+  _globals['_BYTERANGE']._serialized_start=1896
+  _globals['_BYTERANGE']._serialized_end=1939
+  _globals['_PUSHPROGRESS']._serialized_start=1941
+  _globals['_PUSHPROGRESS']._serialized_end=2036
+  _globals['_STATUSREQUEST']._serialized_start=2038
+  _globals['_STATUSREQUEST']._serialized_end=2053
+  _globals['_LANE']._serialized_start=2055
+  _globals['_LANE']._serialized_end=2175
+  _globals['_LANESREQUEST']._serialized_start=2177
+  _globals['_LANESREQUEST']._serialized_end=2191
+  _globals['_LANESRESPONSE']._serialized_start=2193
+  _globals['_LANESRESPONSE']._serialized_end=2241
+  _globals['_STATUSRESPONSE']._serialized_start=2244
+  _globals['_STATUSRESPONSE']._serialized_end=2457
+  _globals['_HANDOFFBROKER']._serialized_start=3163
+  _globals['_HANDOFFBROKER']._serialized_end=3827
 # @@protoc_insertion_point(module_scope)

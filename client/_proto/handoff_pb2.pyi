@@ -11,6 +11,7 @@ class LaneKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LANE_KIND_UNSPECIFIED: _ClassVar[LaneKind]
     LANE_KIND_TCP: _ClassVar[LaneKind]
+    LANE_KIND_SHM: _ClassVar[LaneKind]
 
 class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LANE_BROKEN: _ClassVar[ErrorReason]
 LANE_KIND_UNSPECIFIED: LaneKind
 LANE_KIND_TCP: LaneKind
+LANE_KIND_SHM: LaneKind
 ERROR_REASON_UNSPECIFIED: ErrorReason
 UNKNOWN_TENSOR: ErrorReason
 MISSING_TENSOR: ErrorReason
@@ -194,20 +196,22 @@ class PushResponse(_message.Message):
     def __init__(self, handoff_id: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., digest: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "handoff_id", "supersedes", "shard", "wait_seconds", "lane_capability")
+    __slots__ = ("model", "handoff_id", "supersedes", "shard", "wait_seconds", "lane_capability", "lane_kind")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDES_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LANE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    LANE_KIND_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     supersedes: int
     shard: Shard
     wait_seconds: float
     lane_capability: bytes
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., lane_capability: _Optional[bytes] = ...) -> None: ...
+    lane_kind: LaneKind
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., lane_capability: _Optional[bytes] = ..., lane_kind: _Optional[_Union[LaneKind, str]] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("model", "handoff_id", "position", "fingerprint", "claim", "bytes", "chunks", "shard", "lane")
@@ -318,16 +322,20 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Lane(_message.Message):
-    __slots__ = ("kind", "host", "port", "min_bytes")
+    __slots__ = ("kind", "host", "port", "min_bytes", "path", "host_id")
     KIND_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     kind: LaneKind
     host: str
     port: int
     min_bytes: int
-    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ...) -> None: ...
+    path: str
+    host_id: str
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class LanesRequest(_message.Message):
     __slots__ = ()

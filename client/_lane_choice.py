@@ -1,0 +1,42 @@
+"""Which of the broker's lanes a call takes, and opening it: the shared-memory lane on the broker's own host, else
+the TCP lane, and only for a hand-off of at least the lane's `min_bytes` (docs/lanes.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import cache
+
+from ._lane import Frames, TcpFrames, lane_host, open_lane
+from ._proto import handoff_pb2 as pb
+from ._ring import host_id, open_ring_lane
+
+
+@cache
+def _this_host() -> str:
+    return host_id()
+
+
+def choose(offers: Sequence[pb.Lane], nbytes: int | None, shared_memory: bool = True) -> pb.Lane | None:
+    """The lane for a hand-off of `nbytes` (None: whichever a large one would take): the shared-memory lane if
+    `shared_memory` is allowed and it is offered on this host, else the TCP lane; None if neither, or too small."""
+    by_kind = {offer.kind: offer for offer in offers}
+    shm = by_kind.get(pb.LANE_KIND_SHM)
+    on_this_host = shm is not None and shm.host_id != "" and shm.host_id == _this_host()
+    lane = shm if shared_memory and on_this_host else by_kind.get(pb.LANE_KIND_TCP)
+    return lane if lane is not None and (nbytes is None or nbytes >= lane.min_bytes) else None
+
+
+def open_frames(
+    lane: pb.Lane, target: str, capability: bytes, timeout: float, call_ended: Callable[[], bool] = lambda: False
+) -> Frames:
+    """Open `lane` for the call whose capability this is (LaneUnreachable, LaneClosed as open_lane)."""
+    if lane.kind == pb.LANE_KIND_SHM:
+        return open_ring_lane(lane.path, capability, timeout, call_ended)
+    return TcpFrames(open_lane(lane_host(lane.host, target), lane.port, capability, timeout, call_ended))
+
+
+def describe(lane: pb.Lane, target: str) -> str:
+    """Where a lane is, for an error message."""
+    if lane.kind == pb.LANE_KIND_SHM:
+        return f"the shared-memory lane at {lane.path}"
+    return f"the TCP lane at {lane_host(lane.host, target)}:{lane.port}"

@@ -1,0 +1,189 @@
+"""The shared-memory lane (docs/lanes.md): a client on the broker's host moves a hand-off's bytes through a ring of
+shared memory beside its gRPC call, with every guarantee of the stream and the TCP lane.
+
+Each test runs a real broker on loopback; its faults come from a real process killed mid-push and from speaking the
+lane's wire by hand. (Every test of test_roundtrip, test_claims and test_tensor_parallel also runs on this lane.)
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from certs import Authority
+from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
+from handoff_client import HandoffClient
+from handoff_client._contract import Carried, Contract
+from handoff_client._errors import CallCancelled, LaneBroken
+from handoff_client._frames import crc32c
+from handoff_client._lane import FRAME, new_capability
+from handoff_client._lane_choice import choose
+from handoff_client._proto import handoff_pb2 as pb
+from handoff_client._ring import PIECE, open_ring_lane
+from support import raises_handoff_error
+from test_lanes import _pull_call, _push_call, _result
+
+ROWS, COLS = 1024, 1024  # 4 MiB a tensor in float32: well past the lanes' 1 MiB floor
+LARGE = Contract("large", ROWS + 1, 64, tuple(Carried(f"k{i}", i, ROWS, COLS, "float32") for i in range(4)))
+WIDE = Contract("wide", 2, 64, tuple(Carried(f"k{i}", i, 4096, 4096, "float32") for i in range(4)))  # 256 MiB
+WORKERS = Path(__file__).parent / "workers.py"
+
+
+@pytest.fixture
+def shm_broker(start_broker):
+    return start_broker(contracts={"large": LARGE}, idle_timeout=2.0, max_bytes=256 << 20)
+
+
+def lane_bytes(broker, model: str, kind: str, lane: str) -> float:
+    """What the broker's handoff_lane_bytes_total says moved on that lane."""
+    labels = {"model": model, "kind": kind, "lane": lane}
+    return broker.registry.get_sample_value("handoff_lane_bytes_total", labels) or 0
+
+
+def rings_mapped() -> int:
+    """Lane rings this process (the broker's, in these tests) still maps."""
+    return Path("/proc/self/maps").read_text().count("handoff-lane-ring")
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_a_client_on_the_brokers_host_takes_the_shared_memory_lane_both_ways_and_every_ring_is_unmapped(shm_broker):
+    tensors = seeded_tensors(LARGE)
+    with HandoffClient(shm_broker.address) as client:
+        assert {lane.kind for lane in client._lane_offers or [client.lane()]} >= {pb.LANE_KIND_SHM}
+        assert {lane.kind for lane in client._lane_offers} == {pb.LANE_KIND_TCP, pb.LANE_KIND_SHM}
+        assert client.lane(LARGE.nbytes).kind == pb.LANE_KIND_SHM
+        client.push("large", "r", 1, tensors)
+        into = {c.name: np.full((ROWS, COLS), 7, np.float32) for c in LARGE.carried}
+        assert_same_bits(client.pull("large", "r", into=into).state, tensors)
+        assert_same_bits(into, tensors)
+    assert (
+        lane_bytes(shm_broker, "large", "push", "shm") == lane_bytes(shm_broker, "large", "pull", "shm") == LARGE.nbytes
+    )
+    assert lane_bytes(shm_broker, "large", "push", "tcp") == lane_bytes(shm_broker, "large", "pull", "tcp") == 0
+    wait_until(lambda: rings_mapped() == 0)  # the broker's and the client's: each call's ring is gone with it
+    assert_holds_nothing(shm_broker)
+
+
+def test_a_client_told_not_to_or_on_another_host_takes_the_tcp_lane(shm_broker):
+    tensors = seeded_tensors(LARGE)
+    with HandoffClient(shm_broker.address, shared_memory=False) as client:
+        assert client.lane().kind == pb.LANE_KIND_TCP
+        client.push("large", "r", 1, tensors)
+        assert_same_bits(client.pull("large", "r").state, tensors)
+        elsewhere = [lane if lane.kind == pb.LANE_KIND_TCP else pb.Lane(kind=lane.kind, path=lane.path,
+                     host_id="another-hosts-boot-id", min_bytes=lane.min_bytes) for lane in client._lane_offers]  # fmt: skip
+        assert choose(elsewhere, LARGE.nbytes).kind == pb.LANE_KIND_TCP
+        assert choose(client._lane_offers, 1024) is None  # under the floor: the stream
+    assert (
+        lane_bytes(shm_broker, "large", "push", "tcp") == lane_bytes(shm_broker, "large", "pull", "tcp") == LARGE.nbytes
+    )
+    assert lane_bytes(shm_broker, "large", "push", "shm") == 0
+
+
+def test_a_broker_serving_tls_offers_the_shared_memory_lane_but_no_tcp_lane(start_broker):
+    """Bytes that never leave the host's memory need no encryption; the TCP lane's would."""
+    ca = Authority("handoff test CA")
+    server = ca.issue("localhost", server=True)
+    broker = start_broker(contracts={"large": LARGE}, tls_cert=server.cert, tls_key=server.key)
+    tensors = seeded_tensors(LARGE)
+    with HandoffClient(broker.address, tls_root_certificates=ca.pem, tls_server_name="localhost") as client:
+        assert client.lane().kind == pb.LANE_KIND_SHM
+        assert [lane.kind for lane in client._lane_offers] == [pb.LANE_KIND_SHM]
+        client.push("large", "r", 1, tensors)
+        assert_same_bits(client.pull("large", "r").state, tensors)
+    assert lane_bytes(broker, "large", "push", "shm") == lane_bytes(broker, "large", "pull", "shm") == LARGE.nbytes
+
+
+def test_the_lanes_socket_admits_only_the_brokers_user(shm_broker):
+    with HandoffClient(shm_broker.address) as client:
+        path = client.lane().path
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    if os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
+        return  # (only root can start a process of another user to try, with a Python that user may run)
+    probe = "import socket, sys\ntry:\n socket.socket(socket.AF_UNIX).connect(sys.argv[1])\nexcept OSError as e:\n print(type(e).__name__)"
+    other = subprocess.run(["/usr/bin/python3", "-c", probe, path], user=65534, capture_output=True, text=True,
+                           timeout=30, cwd="/", check=False)  # fmt: skip
+    assert other.stdout.strip() == "PermissionError", other
+
+
+def test_a_shared_memory_lane_out_of_reach_sends_the_client_to_the_tcp_lane(start_broker, tmp_path):
+    """As from another container on the same host: the socket's path is not there."""
+    broker = start_broker(contracts={"large": LARGE}, lane_socket=str(tmp_path / "lane.sock"))
+    tensors = seeded_tensors(LARGE)
+    (tmp_path / "lane.sock").unlink()
+    with HandoffClient(broker.address) as client:
+        client.push("large", "first", 1, tensors)  # its lane unreachable: retried on the stream
+        assert client.lane().kind == pb.LANE_KIND_TCP  # and no later call tries it again
+        client.push("large", "second", 1, tensors)
+        assert_same_bits(client.pull("large", "first").state, tensors)
+    assert lane_bytes(broker, "large", "push", "tcp") == LARGE.nbytes
+    assert lane_bytes(broker, "large", "push", "shm") == 0
+
+
+def test_a_pusher_killed_holding_the_ring_leaves_nothing_visible_or_mapped_and_its_push_resumes(shm_broker):
+    worker = subprocess.Popen([sys.executable, str(WORKERS), "push-on-ring-and-stall", shm_broker.address, "large",
+                               "r"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert worker.stdout.readline().strip() == "stalled"
+        assert rings_mapped() == 1  # the broker's side of the worker's ring
+    finally:
+        worker.kill()
+        worker.wait(timeout=10)
+    wait_until(lambda: rings_mapped() == 0)
+    assert shm_broker.store.stats().ready == 0  # nothing visible
+    tensors = seeded_tensors(LARGE)
+    with HandoffClient(shm_broker.address) as client:
+        held = client.push_progress("large", "r")
+        assert sum(r.length for t in held.tensors for r in t.received) == LARGE.nbytes // 2
+        assert client.push("large", "r", 1, tensors, resumable=True).bytes == LARGE.nbytes
+        assert_same_bits(client.pull("large", "r").state, tensors)
+    assert_holds_nothing(shm_broker)
+
+
+def test_a_ring_piece_that_does_not_fit_its_frame_is_refused_and_frees_everything(shm_broker):
+    with HandoffClient(shm_broker.address) as client:
+        capability = new_capability()
+        call = _push_call(client, "r", capability)
+        frames = open_ring_lane(client.lane().path, capability, timeout=10)
+        try:  # a frame of 1 KiB whose piece claims 2 KiB of the ring
+            frames.sock.sendall(FRAME.pack(0, 0, 1024, crc32c(bytes(1024))) + PIECE.pack(2048))
+            error = raises_handoff_error(_result, call)
+        finally:
+            frames.close()
+    assert error.reason == "MALFORMED_REQUEST" and "does not fit" in error.message, error
+    assert_holds_nothing(shm_broker)
+
+
+def test_a_puller_that_gives_no_room_back_is_revoked_after_the_lease_and_the_next_pull_gets_it_whole(start_broker):
+    broker = start_broker(contracts={"wide": WIDE}, lease=1.0, max_bytes=512 << 20)
+    tensors = {c.name: np.full(c.shape, i, np.float32) for i, c in enumerate(WIDE.carried)}
+    with HandoffClient(broker.address) as client:
+        client.push("wide", "r", 1, tensors)
+        capability = new_capability()
+        stream = _pull_call(broker.address, "r", capability, model="wide", lane_kind=pb.LANE_KIND_SHM)
+        header = next(stream)
+        assert header.lane.kind == pb.LANE_KIND_SHM
+        frames = open_ring_lane(header.lane.path, capability, timeout=30)
+        try:
+            started = time.monotonic()
+            error = raises_handoff_error(lambda: list(stream))  # the ring fills; the broker waits for room
+            assert time.monotonic() - started < 10
+        finally:
+            frames.close()
+        assert isinstance(error, (CallCancelled, LaneBroken)), error  # revoked, as a stalled stream is
+        got = client.pull("wide", "r", timeout=30).state
+        assert all(np.array_equal(got[name], tensors[name]) for name in tensors)
+    wait_until(lambda: rings_mapped() == 0)
