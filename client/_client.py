@@ -300,7 +300,7 @@ class HandoffClient:
         """The push's header on the stream and its chunks on the lane; the broker's answer on the stream."""
         call = self._push.future(iter((header,)), timeout=timeout, metadata=self._metadata)
         try:
-            frames = open_frames(lane, self.target, capability, timeout, call_ended=call.done)
+            frames = open_frames(lane, self.target, capability, timeout, "push", call_ended=call.done)
         except LaneUnreachable as e:
             call.cancel()
             self._lane_unreachable(lane)

@@ -9,6 +9,7 @@ from functools import cache
 from ._lane import Frames, TcpFrames, lane_host, open_lane
 from ._proto import handoff_pb2 as pb
 from ._ring import host_id, open_ring_lane
+from ._seal import SealedFrames, sealed_opening, sealing_available
 
 
 @cache
@@ -18,25 +19,39 @@ def _this_host() -> str:
 
 def choose(offers: Sequence[pb.Lane], nbytes: int | None, shared_memory: bool = True) -> pb.Lane | None:
     """The lane for a hand-off of `nbytes` (None: whichever a large one would take): the shared-memory lane if
-    `shared_memory` is allowed and it is offered on this host, else the TCP lane; None if neither, or too small."""
+    `shared_memory` is allowed and it is offered on this host, else the TCP lane; None if neither, if too small, or
+    if the TCP lane is sealed and this process cannot seal."""
     by_kind = {offer.kind: offer for offer in offers}
     shm = by_kind.get(pb.LANE_KIND_SHM)
     on_this_host = shm is not None and shm.host_id != "" and shm.host_id == _this_host()
     lane = shm if shared_memory and on_this_host else by_kind.get(pb.LANE_KIND_TCP)
+    if lane is not None and lane.sealing != pb.LANE_SEALING_NONE and not sealing_available():
+        return None  # a TLS broker's sealed TCP lane, and no `cryptography` here: the streams
     return lane if lane is not None and (nbytes is None or nbytes >= lane.min_bytes) else None
 
 
 def open_frames(
-    lane: pb.Lane, target: str, capability: bytes, timeout: float, call_ended: Callable[[], bool] = lambda: False
+    lane: pb.Lane,
+    target: str,
+    capability: bytes,
+    timeout: float,
+    direction: str,
+    call_ended: Callable[[], bool] = lambda: False,
 ) -> Frames:
-    """Open `lane` for the call whose capability this is (LaneUnreachable, LaneClosed as open_lane)."""
+    """Open `lane` for the call whose capability this is, its frames going `direction` ("push": to the broker,
+    "pull": from it) (LaneUnreachable, LaneClosed as open_lane)."""
     if lane.kind == pb.LANE_KIND_SHM:
         return open_ring_lane(lane.path, capability, timeout, call_ended)
-    return TcpFrames(open_lane(lane_host(lane.host, target), lane.port, capability, timeout, call_ended))
+    host = lane_host(lane.host, target)
+    if lane.sealing == pb.LANE_SEALING_AES_256_GCM:  # opened with a value derived from the capability, never itself
+        sock = open_lane(host, lane.port, sealed_opening(capability), timeout, call_ended)
+        return SealedFrames(sock, capability, direction)
+    return TcpFrames(open_lane(host, lane.port, capability, timeout, call_ended))
 
 
 def describe(lane: pb.Lane, target: str) -> str:
     """Where a lane is, for an error message."""
     if lane.kind == pb.LANE_KIND_SHM:
         return f"the shared-memory lane at {lane.path}"
-    return f"the TCP lane at {lane_host(lane.host, target)}:{lane.port}"
+    sealed = " (sealed)" if lane.sealing != pb.LANE_SEALING_NONE else ""
+    return f"the TCP lane{sealed} at {lane_host(lane.host, target)}:{lane.port}"

@@ -108,8 +108,8 @@ class BrokerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_streams_per_connection: int = 100
     push_deadline: float = 600.0
-    # The lanes for bulk bytes (docs/lanes.md), on unless turned off: the TCP lane, never offered while the broker
-    # serves TLS (it is not encrypted yet), on its port (0: any free one), advertising the host clients should
+    # The lanes for bulk bytes (docs/lanes.md), on unless turned off: the TCP lane (its frames sealed while the broker
+    # serves TLS), on its port (0: any free one), advertising the host clients should
     # connect to (empty: the one they reached the broker at); the shared-memory lane for clients on this host, on
     # its Unix socket (empty: one in a new private directory); the smallest hand-off moved on either.
     lanes: bool = True
@@ -163,12 +163,13 @@ class Broker:
         ]
         self.admission = Admission.for_workers(config.workers)
         self.watchdog = Watchdog()
-        tcp_lane = (config.host, config.lane_port) if config.lanes and config.tls_cert is None else None
+        tcp_lane = (config.host, config.lane_port) if config.lanes else None
         lane_socket = config.lane_socket if config.lanes and config.shared_memory_lane else None
         # Every port is bound here, before anything serves: one taken fails the start naming it, and none is left open.
         self.lanes = None
         if tcp_lane is not None or lane_socket is not None:
-            self.lanes = LaneListener(tcp_lane, config.lane_advertise_host, lane_socket)  # (its errors name it)
+            sealed = config.tls_cert is not None  # the TCP lane's frames as private as the calls (docs/lanes.md)
+            self.lanes = LaneListener(tcp_lane, config.lane_advertise_host, lane_socket, sealed)  # (errors name it)
         servicer = HandoffBrokerServicer(
             self.store,
             self.metrics,

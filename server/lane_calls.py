@@ -17,6 +17,7 @@ from handoff_client._frames import ChunkFrame, chunk_prefix
 from handoff_client._lane import READY, Frames, LaneClosed, TcpFrames
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._ring import RingFrames, host_id, map_ring, new_ring, offer_ring, ring_bytes
+from handoff_client._seal import SealedFrames
 
 from .entries import StoredChunk
 from .lanes import Expected, LaneListener
@@ -39,9 +40,10 @@ class LaneCall:
         """ "shm" or "tcp": the lane its connection came on, once open."""
         return "shm" if self.frames is not None and self.frames.sock.family == socket.AF_UNIX else "tcp"
 
-    def open(self, timeout: float, nbytes: int) -> Frames:
+    def open(self, timeout: float, nbytes: int, direction: str) -> Frames:
         """The connection that presented the capability, told READY (and given a ring for `nbytes`, on the
-        shared-memory lane); LaneBroken if none came within `timeout` s."""
+        shared-memory lane; its frames sealed, on a sealed TCP lane: they go `direction`, "push" or "pull");
+        LaneBroken if none came within `timeout` s."""
         sock = self._expected.wait(timeout)
         if sock is None:
             raise LaneBroken(self.model, f"no lane connection presented the call's capability within {timeout:.0f} s")
@@ -56,7 +58,8 @@ class LaneCall:
                     os.close(fd)  # (the mapping, and the peer's copy of the descriptor, keep the ring)
             else:
                 sock.sendall(READY)
-                frames = TcpFrames(sock)
+                sealed = self._lanes.sealed
+                frames = SealedFrames(sock, self._expected.capability, direction) if sealed else TcpFrames(sock)
         except OSError as e:
             raise LaneBroken(self.model, f"the lane closed before it was ready: {e}") from None
         self.frames = frames
@@ -78,7 +81,9 @@ def lane_offers(lanes: LaneListener, min_bytes: int) -> list[pb.Lane]:
     """The lanes as GetLanes describes them to clients."""
     offers = []
     if lanes.port is not None:
-        offers.append(pb.Lane(kind=pb.LANE_KIND_TCP, host=lanes.advertise_host, port=lanes.port, min_bytes=min_bytes))
+        sealing = pb.LANE_SEALING_AES_256_GCM if lanes.sealed else pb.LANE_SEALING_NONE
+        offers.append(pb.Lane(kind=pb.LANE_KIND_TCP, host=lanes.advertise_host, port=lanes.port, min_bytes=min_bytes,
+                              sealing=sealing))  # fmt: skip
     if lanes.socket_path is not None:
         offers.append(pb.Lane(kind=pb.LANE_KIND_SHM, path=lanes.socket_path, host_id=host_id(), min_bytes=min_bytes))
     return offers

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from handoff_client._lane import CAPABILITY_BYTES, MAGIC, tune
+from handoff_client._seal import sealed_opening
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class Expected:
     """A call waiting for its lane: the connection that presented its capability, once one has."""
 
     capability: bytes
+    sealed_opening: bytes = b""  # what opens it on a sealed TCP lane (handoff_client/_seal.py)
     arrived: threading.Event = field(default_factory=threading.Event)
     sock: socket.socket | None = None
     closed: bool = False
@@ -75,10 +77,16 @@ class LaneListener:
     """The lanes' listeners, and the capabilities the calls under way expect. One thread reads every opening
     (non-blocking, through a selector): a connection costs no thread of its own, only its socket and 40 bytes.
 
-    `tcp` listens for the TCP lane on (host, port); `socket_path` for the shared-memory lane ("": a socket in a new
-    directory of the broker's own, removed at close; None: no shared-memory lane)."""
+    `tcp` listens for the TCP lane on (host, port), its frames `sealed` or not; `socket_path` for the shared-memory
+    lane ("": a socket in a new directory of the broker's own, removed at close; None: no shared-memory lane)."""
 
-    def __init__(self, tcp: tuple[str, int] | None, advertise_host: str = "", socket_path: str | None = None) -> None:
+    def __init__(
+        self,
+        tcp: tuple[str, int] | None,
+        advertise_host: str = "",
+        socket_path: str | None = None,
+        sealed: bool = False,
+    ) -> None:
         self._listeners: list[socket.socket] = []
         self._own_directory: str | None = None
         self.port: int | None = None  # the TCP lane's, if offered
@@ -108,7 +116,9 @@ class LaneListener:
         for listener in self._listeners:
             listener.setblocking(False)
         self.advertise_host = advertise_host  # empty: the client uses the host it reached the broker at
+        self.sealed = sealed  # the TCP lane's frames sealed (a broker serving TLS): handoff_client/_seal.py
         self._expected: dict[bytes, Expected] = {}
+        self._sealed_openings: dict[bytes, bytes] = {}  # what opens a sealed TCP lane: the capability it stands for
         self._voided: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
         self._wake_reader, self._wake_writer = socket.socketpair()  # a registration wakes the reading thread
@@ -164,11 +174,13 @@ class LaneListener:
         """Register a call's capability (ValueError if it is not CAPABILITY_BYTES long, or already registered)."""
         if len(capability) != CAPABILITY_BYTES:
             raise ValueError(f"a lane capability is {CAPABILITY_BYTES} bytes, not {len(capability)}")
-        waiting = Expected(capability)
+        waiting = Expected(capability, sealed_opening(capability) if self.sealed else b"")
         with self._lock:
             if capability in self._expected or capability in self._voided:
                 raise ValueError("that lane capability is already in use")
             self._expected[capability] = waiting
+            if self.sealed and self.port is not None:
+                self._sealed_openings[waiting.sealed_opening] = capability
         self._wake()  # an opening that presented it before the call registered it is waiting
         return waiting
 
@@ -177,6 +189,7 @@ class LaneListener:
         with self._lock:
             if self._expected.get(waiting.capability) is waiting:
                 del self._expected[waiting.capability]
+            self._sealed_openings.pop(waiting.sealed_opening, None)
             self._void(waiting.capability)
             waiting.closed = True
             sock, waiting.sock = waiting.sock, None
@@ -259,10 +272,15 @@ class LaneListener:
                 continue
             capability = opening.capability
             with self._lock:
+                if capability is not None and self.sealed and opening.sock.family != socket.AF_UNIX:
+                    # A sealed TCP lane opens with the capability's derived opening; the capability itself, which
+                    # keys its frames, must never cross the network, and opens nothing there.
+                    capability = self._sealed_openings.pop(capability, None)
                 waiting = self._expected.pop(capability, None) if capability is not None else None
                 void = capability is None or capability in self._voided
                 if waiting is not None and not waiting.closed:
                     self._void(waiting.capability)  # single-use: a second connection presenting it is refused at once
+                    self._sealed_openings.pop(waiting.sealed_opening, None)
                     del self._openings[opening.sock]
                     opening.sock.setblocking(True)
                     if opening.sock.family != socket.AF_UNIX:

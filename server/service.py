@@ -158,7 +158,7 @@ class HandoffBrokerServicer:
                     waiting.give_back()
             try:
                 if lane is not None:
-                    frames = lane.open(self.idle_timeout, session.contract.nbytes)
+                    frames = lane.open(self.idle_timeout, session.contract.nbytes, "push")
                     for chunk in received_chunks(frames, session.contract, header.model, self.idle_timeout,
                                                  self.max_message_bytes):  # fmt: skip
                         session.add(chunk)
@@ -287,7 +287,7 @@ class HandoffBrokerServicer:
         if claim.nbytes < self.lane_min_bytes:
             offer = None
         yield _pull_header(claim, request.shard, offer)
-        frames = lane.open(self.idle_timeout, claim.nbytes) if lane is not None and offer is not None else None
+        frames = lane.open(self.idle_timeout, claim.nbytes, "pull") if lane is not None and offer is not None else None
         fed = 0
         while True:
             chunks, digest = self.store.feed(claim, fed, _wait_budget(context))

@@ -5,6 +5,7 @@
                    what a test needs it to have), so what a broken stream leaves behind does not hang on how
                    fast the broker's threads happened to run
     freeze()       every connection stops carrying bytes but stays open: a peer gone without a FIN
+    record=True    keeps every byte that crosses, both ways, in `recorded`: what a tap on the network would see
 
 It forwards everything else as it is. Every socket and thread it opens, `close` ends.
 """
@@ -19,8 +20,9 @@ from collections.abc import Callable
 
 
 class Proxy:
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, record: bool = False) -> None:
         self.target_port = target_port
+        self.recorded: bytearray | None = bytearray() if record else None
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.address = f"127.0.0.1:{self.port}"
@@ -75,6 +77,8 @@ class Proxy:
                     crossed[0] += len(data)
                     if upstream_index is not None:
                         self.carried[upstream_index] += len(data)
+                    if self.recorded is not None:
+                        self.recorded += data
                     cut = budget is not None and crossed[0] >= budget
                 if cut:
                     _wait_for(once, self._closed)

@@ -31,9 +31,12 @@ from handoff_client._lane import (
     send_frame,
 )
 from handoff_client._proto import handoff_pb2 as pb
+from handoff_client._seal import sealed_opening
 from handoff_client._wire import decode_pull_response, identity, method_path
+from proxy import Proxy
 from support import open_channel, raises_handoff_error
 
+MARK = b"KV-CACHE-IN-THE-CLEAR:"
 ROWS, COLS = 1024, 1024  # 4 MiB a tensor in float32: well past the lane's 1 MiB floor
 LARGE = Contract("large", ROWS + 1, 64, tuple(Carried(f"k{i}", i, ROWS, COLS, "float32") for i in range(4)))
 
@@ -87,17 +90,54 @@ def test_no_lanes_offers_none_and_a_push_that_asks_anyway_is_told_to_use_the_str
         assert isinstance(error, LaneBroken) and "offers no lane" in error.message
 
 
-def test_a_broker_serving_tls_offers_no_tcp_lane_so_no_byte_crosses_the_network_unencrypted(start_broker):
-    """The TCP lane is not encrypted: where the calls are, the bytes stay on them (or on the shared-memory lane)."""
+def test_under_tls_the_tcp_lane_is_sealed_and_no_byte_of_the_hand_off_crosses_it_in_the_clear(start_broker):
+    """A tap between pusher and broker (a recording relay on the lane's connection) sees the tensors' bytes on a
+    plain broker's lane, and nothing of them on a TLS broker's, whose frames are sealed (AES-256-GCM); the pull
+    comes back sealed the same way, bit for bit."""
+    marked = {c.name: np.frombuffer((MARK * (c.nbytes // len(MARK) + 1))[: c.nbytes], np.float32).reshape(c.shape)
+              for c in LARGE.carried}  # fmt: skip
+    ca = Authority("handoff test CA")
+    server = ca.issue("localhost", server=True)
+    tls = {"tls_root_certificates": ca.pem, "tls_server_name": "localhost"}
+    for broker, options in ((start_broker(contracts={"large": LARGE}, **TCP_ONLY), {}),
+                            (start_broker(contracts={"large": LARGE}, tls_cert=server.cert, tls_key=server.key,
+                                          **TCP_ONLY), tls)):  # fmt: skip
+        with HandoffClient(broker.address, **options) as client:
+            lane = client.lane()
+            assert lane.sealing == (pb.LANE_SEALING_AES_256_GCM if options else pb.LANE_SEALING_NONE)
+            tap = Proxy(lane.port, record=True)
+            try:
+                client._lane_offers = [pb.Lane(kind=lane.kind, host="127.0.0.1", port=tap.port,
+                                               min_bytes=lane.min_bytes, sealing=lane.sealing)]  # fmt: skip
+                client.push("large", "r", 1, marked)
+                assert_same_bits(client.pull("large", "r").state, marked)
+            finally:
+                tap.close()
+        wire = bytes(tap.recorded)
+        assert len(wire) >= LARGE.nbytes  # the push's bytes crossed the tap (the pull opens the lane its header names)
+        assert (MARK in wire) == (not options)  # in the clear without TLS; sealed with it
+        assert lane_bytes(broker, "large", "push") == lane_bytes(broker, "large", "pull") == LARGE.nbytes
+
+
+def test_a_sealed_lane_refuses_its_raw_capability_and_frames_in_the_clear_and_holds_nothing(start_broker):
     ca = Authority("handoff test CA")
     server = ca.issue("localhost", server=True)
     broker = start_broker(contracts={"large": LARGE}, tls_cert=server.cert, tls_key=server.key, **TCP_ONLY)
-    tensors = seeded_tensors(LARGE)
+    index, offset, data = _lane_frames(seeded_tensors(LARGE))[0]
     with HandoffClient(broker.address, tls_root_certificates=ca.pem, tls_server_name="localhost") as client:
-        assert client.lane() is None
-        client.push("large", "r", 1, tensors)
-        assert_same_bits(client.pull("large", "r").state, tensors)
-    assert lane_bytes(broker, "large", "push") == lane_bytes(broker, "large", "pull") == 0
+        capability = new_capability()
+        call = _push_call(client, "r", capability)
+        with pytest.raises(LaneClosed):  # the capability itself keys the frames: it opens nothing on the network
+            open_lane("127.0.0.1", client.lane().port, capability, timeout=10)
+        with open_lane("127.0.0.1", client.lane().port, sealed_opening(capability), timeout=10) as lane:
+            try:
+                send_frame(lane, index, offset, data, crc32c(data))
+                send_end(lane)
+            except OSError:
+                pass  # the broker closed the lane at the first header that failed its tag
+            error = raises_handoff_error(_result, call)
+    assert isinstance(error, LaneBroken) and "authentication" in error.message, error
+    assert_holds_nothing(broker)
 
 
 def test_a_connection_without_a_valid_capability_is_closed_unanswered_and_changes_nothing(lane_broker):

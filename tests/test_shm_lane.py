@@ -92,15 +92,16 @@ def test_a_client_told_not_to_or_on_another_host_takes_the_tcp_lane(shm_broker):
     assert lane_bytes(shm_broker, "large", "push", "shm") == 0
 
 
-def test_a_broker_serving_tls_offers_the_shared_memory_lane_but_no_tcp_lane(start_broker):
-    """Bytes that never leave the host's memory need no encryption; the TCP lane's would."""
+def test_a_broker_serving_tls_still_offers_the_shared_memory_lane_unsealed_and_the_tcp_lane_sealed(start_broker):
+    """Bytes that never leave the host's memory need no encryption; the TCP lane's do (test_lanes.py)."""
     ca = Authority("handoff test CA")
     server = ca.issue("localhost", server=True)
     broker = start_broker(contracts={"large": LARGE}, tls_cert=server.cert, tls_key=server.key)
     tensors = seeded_tensors(LARGE)
     with HandoffClient(broker.address, tls_root_certificates=ca.pem, tls_server_name="localhost") as client:
         assert client.lane().kind == pb.LANE_KIND_SHM
-        assert [lane.kind for lane in client._lane_offers] == [pb.LANE_KIND_SHM]
+        offers = {lane.kind: lane.sealing for lane in client._lane_offers}
+        assert offers == {pb.LANE_KIND_TCP: pb.LANE_SEALING_AES_256_GCM, pb.LANE_KIND_SHM: pb.LANE_SEALING_NONE}
         client.push("large", "r", 1, tensors)
         assert_same_bits(client.pull("large", "r").state, tensors)
     assert lane_bytes(broker, "large", "push", "shm") == lane_bytes(broker, "large", "pull", "shm") == LARGE.nbytes

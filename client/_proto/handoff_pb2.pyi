@@ -7,6 +7,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LaneSealing(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LANE_SEALING_NONE: _ClassVar[LaneSealing]
+    LANE_SEALING_AES_256_GCM: _ClassVar[LaneSealing]
+
 class LaneKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LANE_KIND_UNSPECIFIED: _ClassVar[LaneKind]
@@ -45,6 +50,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOT_IN_SHARD: _ClassVar[ErrorReason]
     BROKER_BUSY: _ClassVar[ErrorReason]
     LANE_BROKEN: _ClassVar[ErrorReason]
+LANE_SEALING_NONE: LaneSealing
+LANE_SEALING_AES_256_GCM: LaneSealing
 LANE_KIND_UNSPECIFIED: LaneKind
 LANE_KIND_TCP: LaneKind
 LANE_KIND_SHM: LaneKind
@@ -322,20 +329,22 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Lane(_message.Message):
-    __slots__ = ("kind", "host", "port", "min_bytes", "path", "host_id")
+    __slots__ = ("kind", "host", "port", "min_bytes", "path", "host_id", "sealing")
     KIND_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEALING_FIELD_NUMBER: _ClassVar[int]
     kind: LaneKind
     host: str
     port: int
     min_bytes: int
     path: str
     host_id: str
-    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    sealing: LaneSealing
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[str] = ..., sealing: _Optional[_Union[LaneSealing, str]] = ...) -> None: ...
 
 class LanesRequest(_message.Message):
     __slots__ = ()
