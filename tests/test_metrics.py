@@ -66,7 +66,7 @@ def test_traffic_moves_the_figures_a_dashboard_reads(start_broker, contracts):
     assert value(after, "handoff_streams_in_flight", kind="push") == 0
     for (name, labels), _ in after.items():
         if name.startswith("handoff_"):
-            assert {k for k, _ in labels} <= {"model", "outcome", "reason", "state", "kind", "le"}, name
+            assert {k for k, _ in labels} <= {"model", "outcome", "reason", "state", "kind", "lane", "le"}, name
 
 
 def test_a_broken_pull_is_counted_as_broken_and_returned(start_broker, contracts):
