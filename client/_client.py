@@ -41,8 +41,8 @@ from ._contract import Contract, Handoff, cut_to_filled
 from ._errors import FingerprintMismatch, HandoffError, LaneBroken, UnknownHandoff, from_rpc_error
 from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
 from ._frames import crc32c, encode_chunk
-from ._lane import LaneClosed, LaneUnreachable, new_capability
-from ._lane_choice import choose, describe, open_frames
+from ._lane import MAX_CONNECTIONS, LaneClosed, LaneUnreachable, new_capability
+from ._lane_choice import choose, connections_for, describe, open_frames
 from ._proto import handoff_pb2 as pb
 from ._pulls import PullAttempts, PulledTensors, destinations
 from ._shards import Shard, as_shard, view
@@ -111,13 +111,18 @@ class HandoffClient:
         tls_server_name: str | None = None,
         lanes: bool = True,
         shared_memory: bool = True,
+        lane_connections: int = 1,
     ) -> None:
         """`token` is sent as `authorization: Bearer <token>` on every call. The tls_* arguments (PEM bytes) make
         the channel TLS: the CA to trust, and for mutual TLS this client's certificate and key; `tls_server_name`
         overrides the name checked against the broker's certificate. `credentials` takes any other gRPC kind.
         `lanes=False` keeps every hand-off's bytes on the gRPC streams even where the broker offers lanes
         (docs/lanes.md), which large hand-offs otherwise take: its shared-memory lane from the broker's own host,
-        else its TCP lane; `shared_memory=False` takes the TCP lane even on the broker's host."""
+        else its TCP lane; `shared_memory=False` takes the TCP lane even on the broker's host.
+        `lane_connections` stripes each call's TCP lane over that many connections (at most the lane's
+        `max_connections`): worth it only on links whose bandwidth-delay product exceeds one TCP window."""
+        if not 0 < lane_connections <= MAX_CONNECTIONS:
+            raise ValueError(f"lane_connections must be in 1..{MAX_CONNECTIONS}, got {lane_connections}")
         if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_MESSAGE_BYTES - 1024}, got {chunk_bytes}")
         self.target = target
@@ -125,6 +130,7 @@ class HandoffClient:
         self.timeout = timeout
         self.retry = retry
         self.lanes = lanes
+        self.lane_connections = lane_connections
         self._lane_offers: list[pb.Lane] = []
         self._lanes_asked = False
         self._shared_memory = shared_memory  # (and until the shared-memory lane turns out unreachable from here)
@@ -224,7 +230,7 @@ class HandoffClient:
         contract = view(self.get_contract(model).at(position), part, pushing=True)
         handoff = contract.take(position, cut_to_filled(contract, tensors))
 
-        def header(resume: bool, lane_capability: bytes = b"") -> bytes:
+        def header(resume: bool, lane_capability: bytes = b"", lane_connections: int = 0) -> bytes:
             message = pb.PushHeader(
                 model=model,
                 handoff_id=handoff_id,
@@ -236,6 +242,7 @@ class HandoffClient:
                 resume=resume,
                 shard=shard_to_proto(part),
                 lane_capability=lane_capability,
+                lane_connections=lane_connections,
             )
             return pb.PushRequest(header=message).SerializeToString()
 
@@ -248,10 +255,10 @@ class HandoffClient:
             if lane is None:
                 frames = self._push_frames(contract, header(resume=held is not None), handoff, held)
                 return self._call(self._push, frames, remaining)
-            capability = new_capability()
+            capability, connections = new_capability(), connections_for(lane, self.lane_connections)
             try:
-                return self._push_on_lane(lane, capability, header(held is not None, capability), contract, handoff,
-                                          held, remaining)  # fmt: skip
+                return self._push_on_lane(lane, capability, connections, header(held is not None, capability,
+                                          connections), contract, handoff, held, remaining)  # fmt: skip
             except LaneBroken:
                 lane_broke[0] = True  # the retry goes on the stream
                 raise
@@ -294,13 +301,13 @@ class HandoffClient:
             yield encode_chunk(name, offset, data)
 
     def _push_on_lane(
-        self, lane: pb.Lane, capability: bytes, header: bytes, contract: Contract, handoff: Handoff, held: Held,
-        timeout: float,
+        self, lane: pb.Lane, capability: bytes, connections: int, header: bytes, contract: Contract, handoff: Handoff,
+        held: Held, timeout: float,
     ) -> pb.PushResponse:  # fmt: skip
         """The push's header on the stream and its chunks on the lane; the broker's answer on the stream."""
         call = self._push.future(iter((header,)), timeout=timeout, metadata=self._metadata)
         try:
-            frames = open_frames(lane, self.target, capability, timeout, "push", call_ended=call.done)
+            frames = open_frames(lane, self.target, capability, timeout, "push", call.done, connections)
         except LaneUnreachable as e:
             call.cancel()
             self._lane_unreachable(lane)
@@ -425,6 +432,7 @@ class HandoffClient:
             wait_seconds=wait_for_push or 0.0,
             lane_capability=new_capability() if lane is not None else b"",
             lane_kind=lane.kind if lane is not None else pb.LANE_KIND_UNSPECIFIED,
+            lane_connections=connections_for(lane, self.lane_connections) if lane is not None else 0,
         )
         arrays = destinations(view(declared, part, pushing=False), into)  # checked before the claim
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)

@@ -22,12 +22,16 @@ are `Frames`, which is all the client's and the broker's calls see of a lane.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
+import select
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol, TypeVar
 
 MAGIC = b"HOLANE1\n"
@@ -38,6 +42,9 @@ END = 0xFFFFFFFF
 MAX_LANE_CHUNK = 64 << 20
 SOCKET_BUFFER = 4 << 20
 READY_POLL = 0.05  # seconds between looks at the call while waiting for READY
+INFO = "handoff lane v1 "  # what every key and value derived from a capability is derived for begins so
+MAX_CONNECTIONS = 16  # the most connections one call's TCP lane may be striped over
+DEFAULT_MAX_CONNECTIONS = 8  # what a broker allows unless told otherwise (--lane-max-connections)
 
 T = TypeVar("T")
 
@@ -74,33 +81,68 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
 
 
+def connection_capabilities(capability: bytes, connections: int) -> list[bytes]:
+    """What each connection of a lane striped over `connections` presents in place of the call's capability: the
+    capability itself on the first, and on connection k (from 1) HKDF-SHA256 of it with info
+    `handoff lane v1 connection k` (k in decimal). Each is a capability of its own: single-use, unguessable without
+    the call's, and (on a sealed lane) the key of that connection's frames."""
+    return [capability] + [hkdf_sha256(capability, f"{INFO}connection {k}".encode()) for k in range(1, connections)]
+
+
+def hkdf_sha256(secret: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256 (RFC 5869) of `secret`, no salt, 32 bytes: one block, so Extract then one HMAC of Expand."""
+    prk = hmac.new(bytes(32), secret, hashlib.sha256).digest()
+    return hmac.new(prk, info + b"\x01", hashlib.sha256).digest()
+
+
 def open_lane(
     host: str, port: int, capability: bytes, timeout: float, call_ended: Callable[[], bool] = lambda: False
 ) -> socket.socket:
-    """Connect, present the capability, and wait for READY (LaneClosed if the broker closes instead, or the call
-    the lane serves ends first: its status then says why). `timeout` bounds every later send and receive too."""
+    """Connect, present the capability (or a sealed lane's opening value), and wait for READY, as `open_lanes`."""
+    return open_lanes(host, port, [capability], timeout, call_ended)[0]
+
+
+def open_lanes(
+    host: str, port: int, openings: Sequence[bytes], timeout: float, call_ended: Callable[[], bool] = lambda: False
+) -> list[socket.socket]:
+    """Connect once per opening (one, or one per connection of a striped lane), present each, then wait for READY on
+    every one (LaneClosed if the broker closes one instead, or the call the lane serves ends first: its status then
+    says why). `timeout` bounds every later send and receive too."""
+    socks: list[socket.socket] = []
     try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as e:
-        raise LaneUnreachable(f"cannot connect to {host}:{port}: {e}") from None
-    try:
-        tune(sock)
-        if present(sock, capability, timeout, call_ended, lambda: sock.recv(len(READY))) != READY:
-            raise LaneClosed("the broker refused the lane")
-        return sock
+        for opening in openings:
+            try:
+                sock = socket.create_connection((host, port), timeout=timeout)
+            except OSError as e:
+                raise LaneUnreachable(f"cannot connect to {host}:{port}: {e}") from None
+            socks.append(sock)
+            tune(sock)
+            sock.sendall(MAGIC + opening)
+        deadline = time.monotonic() + timeout
+        for sock in socks:
+            if await_answer(sock, deadline, timeout, call_ended, partial(sock.recv, len(READY))) != READY:
+                raise LaneClosed("the broker refused the lane")
+        return socks
     except BaseException:
-        sock.close()
+        for sock in socks:
+            sock.close()
         raise
 
 
 def present(
     sock: socket.socket, capability: bytes, timeout: float, call_ended: Callable[[], bool], answer: Callable[[], T]
 ) -> T:
-    """Send the opening, then wait for the broker's `answer` (READY, on any lane), looking every READY_POLL s
-    whether the call the lane serves has ended: a push's READY may wait for room, and meanwhile its call may be
-    refused. Leaves `timeout` on the socket for every later send and receive."""
+    """Send the opening, then wait for the broker's `answer` (READY, on any lane), as `await_answer`."""
     sock.sendall(MAGIC + capability)
-    deadline = time.monotonic() + timeout
+    return await_answer(sock, time.monotonic() + timeout, timeout, call_ended, answer)
+
+
+def await_answer(
+    sock: socket.socket, deadline: float, timeout: float, call_ended: Callable[[], bool], answer: Callable[[], T]
+) -> T:
+    """Wait for the broker's `answer` to an opening until `deadline`, looking every READY_POLL s whether the call
+    the lane serves has ended: a push's READY may wait for room, and meanwhile its call may be refused. Leaves
+    `timeout` on the socket for every later send and receive."""
     sock.settimeout(READY_POLL)
     while True:
         try:
@@ -150,6 +192,66 @@ class TcpFrames:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class StripedFrames:
+    """A TCP lane striped over several connections, as one `Frames`. Each frame goes whole on one connection (the
+    next, in turn, with room in its send buffer), and every connection ends with its own end marker; the receiver
+    reads each frame from whichever connection has one ready, and the lane's end is the last connection's end
+    marker. Frames come in any order on any lane, so nothing else changes: the checks, and the digest, are the same.
+    One thread drives every connection; the kernel keeps each sending while the thread is on another."""
+
+    def __init__(self, parts: Sequence[Frames]) -> None:
+        self._parts = list(parts)
+        self.socks = [part.sock for part in self._parts]
+        self.sock = self.socks[0]  # (its timeout is the lane's: a wait for any connection to be ready)
+        self._unended = list(self._parts)  # receiving: the connections whose end marker has not come
+        self._turn = 0
+        self._reading: Frames | None = None  # receiving: the connection whose frame header was read last
+
+    def send(self, index: int, offset: int, data: memoryview | bytes, crc: int) -> None:
+        self._next_ready(self._parts, writing=True).send(index, offset, data, crc)
+
+    def end(self) -> None:
+        for part in self._parts:
+            part.end()
+
+    def read_header(self) -> FrameHeader:
+        while self._unended:
+            part = self._next_ready(self._unended, writing=False)
+            header = part.read_header()
+            if not header.end:
+                self._reading = part
+                return header
+            self._unended.remove(part)
+        return FrameHeader(END, 0, 0, 0)
+
+    def read_into(self, header: FrameHeader, view: memoryview) -> None:
+        assert self._reading is not None, "read_into follows the read_header of its frame"
+        self._reading.read_into(header, view)
+
+    def close(self) -> None:
+        for part in self._parts:
+            part.close()
+
+    def _next_ready(self, parts: list[Frames], writing: bool) -> Frames:
+        """The next of `parts`, in turn, ready to be written to (or read from) without waiting; waits for one up to
+        the lane's timeout (TimeoutError), LaneClosed if the lane was closed under the wait."""
+        try:
+            socks = [part.sock for part in parts]
+            readable, writable, _ = select.select([] if writing else socks, socks if writing else [], [],
+                                                  self.sock.gettimeout())  # fmt: skip
+        except (ValueError, OSError) as e:  # a socket closed by another thread (the call revoked, say)
+            raise LaneClosed(f"the lane was closed: {e}") from None
+        ready = set(writable if writing else readable)
+        if not ready:
+            raise TimeoutError("no connection of the striped lane was ready in time")
+        for step in range(len(parts)):
+            part = parts[(self._turn + step) % len(parts)]
+            if part.sock in ready:
+                self._turn = (self._turn + step + 1) % len(parts)
+                return part
+        raise AssertionError("select answered a socket it was not asked about")
 
 
 def lane_host(lane_host: str, target: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import cache
 
-from ._lane import Frames, TcpFrames, lane_host, open_lane
+from ._lane import Frames, StripedFrames, TcpFrames, connection_capabilities, lane_host, open_lanes
 from ._proto import handoff_pb2 as pb
 from ._ring import host_id, open_ring_lane
 from ._seal import SealedFrames, sealed_opening, sealing_available
@@ -37,16 +37,30 @@ def open_frames(
     timeout: float,
     direction: str,
     call_ended: Callable[[], bool] = lambda: False,
+    connections: int = 1,
 ) -> Frames:
     """Open `lane` for the call whose capability this is, its frames going `direction` ("push": to the broker,
-    "pull": from it) (LaneUnreachable, LaneClosed as open_lane)."""
+    "pull": from it), a TCP lane striped over `connections` (LaneUnreachable, LaneClosed as open_lanes)."""
     if lane.kind == pb.LANE_KIND_SHM:
         return open_ring_lane(lane.path, capability, timeout, call_ended)
     host = lane_host(lane.host, target)
-    if lane.sealing == pb.LANE_SEALING_AES_256_GCM:  # opened with a value derived from the capability, never itself
-        sock = open_lane(host, lane.port, sealed_opening(capability), timeout, call_ended)
-        return SealedFrames(sock, capability, direction)
-    return TcpFrames(open_lane(host, lane.port, capability, timeout, call_ended))
+    capabilities = connection_capabilities(capability, connections)
+    sealed = lane.sealing == pb.LANE_SEALING_AES_256_GCM
+    # A sealed lane is opened with a value derived from each connection's capability, never the capability itself.
+    openings = [sealed_opening(c) for c in capabilities] if sealed else capabilities
+    socks = open_lanes(host, lane.port, openings, timeout, call_ended)
+    parts: list[Frames] = [
+        SealedFrames(sock, c, direction) if sealed else TcpFrames(sock) for sock, c in zip(socks, capabilities)
+    ]
+    return parts[0] if len(parts) == 1 else StripedFrames(parts)
+
+
+def connections_for(lane: pb.Lane | None, wanted: int) -> int:
+    """How many connections a call asks its lane for: `wanted`, within what the lane offers (a broker from before
+    striping offers one), and one on the shared-memory lane."""
+    if lane is None or lane.kind != pb.LANE_KIND_TCP:
+        return 1
+    return max(1, min(wanted, lane.max_connections or 1))
 
 
 def describe(lane: pb.Lane, target: str) -> str:

@@ -200,7 +200,8 @@ class PulledTensors:
         if not capability or lane.kind != (self._request.lane_kind or pb.LANE_KIND_TCP):
             raise MalformedRequest("the broker named a lane for a pull that offered none, or another kind", model)
         try:
-            frames = open_frames(lane, self._client.target, capability, self._timeout, "pull")
+            connections = self._request.lane_connections or 1
+            frames = open_frames(lane, self._client.target, capability, self._timeout, "pull", connections=connections)
             try:
                 while not (frame := frames.read_header()).end:
                     if frame.index >= len(contract.carried):

@@ -24,11 +24,10 @@ from __future__ import annotations
 import socket
 import struct
 
-from ._lane import FRAME, FrameHeader, LaneClosed, parse_header, recv_exact, recv_into_exact
+from ._lane import FRAME, INFO, FrameHeader, LaneClosed, hkdf_sha256, parse_header, recv_exact, recv_into_exact
 
 TAG_BYTES = 16
 SEALED_HEADER_BYTES = FRAME.size + TAG_BYTES
-INFO = b"handoff lane v1 "
 _NONCE = struct.Struct("<QI")
 
 
@@ -53,10 +52,7 @@ def sealed_opening(capability: bytes) -> bytes:
 
 
 def _derive(capability: bytes, purpose: str) -> bytes:
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=INFO + purpose.encode()).derive(capability)
+    return hkdf_sha256(capability, f"{INFO}{purpose}".encode())
 
 
 class SealedFrames:

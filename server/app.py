@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from handoff_client._allocator import trim, tune_allocator
 from handoff_client._client import MAX_MESSAGE_BYTES
 from handoff_client._contract import Contract
+from handoff_client._lane import DEFAULT_MAX_CONNECTIONS
 from handoff_client._wire import SERVICE_NAME
 from prometheus_client import CollectorRegistry
 
@@ -111,13 +112,15 @@ class BrokerConfig:
     # The lanes for bulk bytes (docs/lanes.md), on unless turned off: the TCP lane (its frames sealed while the broker
     # serves TLS), on its port (0: any free one), advertising the host clients should
     # connect to (empty: the one they reached the broker at); the shared-memory lane for clients on this host, on
-    # its Unix socket (empty: one in a new private directory); the smallest hand-off moved on either.
+    # its Unix socket (empty: one in a new private directory); the smallest hand-off moved on either; the most TCP
+    # connections one call's lane may be striped over.
     lanes: bool = True
     lane_port: int = 0
     lane_advertise_host: str = ""
     shared_memory_lane: bool = True
     lane_socket: str = ""
     lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES
+    lane_max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 class Broker:
@@ -169,7 +172,9 @@ class Broker:
         self.lanes = None
         if tcp_lane is not None or lane_socket is not None:
             sealed = config.tls_cert is not None  # the TCP lane's frames as private as the calls (docs/lanes.md)
-            self.lanes = LaneListener(tcp_lane, config.lane_advertise_host, lane_socket, sealed)  # (errors name it)
+            self.lanes = LaneListener(  # (its errors name the flag whose port or path it could not take)
+                tcp_lane, config.lane_advertise_host, lane_socket, sealed, config.lane_max_connections
+            )
         servicer = HandoffBrokerServicer(
             self.store,
             self.metrics,

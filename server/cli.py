@@ -13,6 +13,7 @@ import tomllib
 from collections.abc import Callable
 
 from handoff_client._errors import ManifestError
+from handoff_client._lane import DEFAULT_MAX_CONNECTIONS, MAX_CONNECTIONS
 
 from . import commands
 
@@ -40,6 +41,17 @@ def _parse_bytes(text: str) -> int:
     value = int(float(match.group(1)) * BYTE_UNITS[unit])
     if value <= 0:
         raise argparse.ArgumentTypeError(f"`{text}` is not a size above 0")
+    return value
+
+
+def _connections(text: str) -> int:
+    """A lane's connection count, 1..MAX_CONNECTIONS."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 0 < value <= MAX_CONNECTIONS:
+        raise argparse.ArgumentTypeError(f"`{text}` is not a number of connections in 1..{MAX_CONNECTIONS}")
     return value
 
 
@@ -182,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the host clients open lanes to (default: the one they reached the broker at)")  # fmt: skip
     serve.add_argument("--lane-min-bytes", type=_parse_bytes, default=1 << 20,
                        help="the smallest hand-off moved on the lane; smaller ones stay on the streams (1MiB)")  # fmt: skip
+    serve.add_argument("--lane-max-connections", type=_connections, default=DEFAULT_MAX_CONNECTIONS,
+                       help="the most TCP connections one call's lane may be striped over, "
+                       f"1..{MAX_CONNECTIONS} ({DEFAULT_MAX_CONNECTIONS})")  # fmt: skip
     serve.add_argument("--keepalive", type=float, default=20.0, help="seconds between HTTP/2 pings on idle links (20)")
     serve.add_argument("--keepalive-timeout", type=float, default=10.0, help="seconds a ping may go unanswered (10)")
     serve.set_defaults(run=commands.serve)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 from handoff_client._contract import Contract
 from handoff_client._errors import LaneBroken, MalformedRequest, MessageTooLarge
 from handoff_client._frames import ChunkFrame, chunk_prefix
-from handoff_client._lane import READY, Frames, LaneClosed, TcpFrames
+from handoff_client._lane import READY, Frames, LaneClosed, StripedFrames, TcpFrames, connection_capabilities
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._ring import RingFrames, host_id, map_ring, new_ring, offer_ring, ring_bytes
 from handoff_client._seal import SealedFrames
@@ -24,14 +25,25 @@ from .lanes import Expected, LaneListener
 
 
 class LaneCall:
-    """One call's lane, from the capability's registration to the call's end."""
+    """One call's lane, from the capabilities' registration to the call's end: one connection, or on a TCP lane
+    striped over several, one per connection capability (handoff_client._lane.connection_capabilities)."""
 
-    def __init__(self, lanes: LaneListener, capability: bytes, model: str) -> None:
+    def __init__(self, lanes: LaneListener, capability: bytes, model: str, connections: int = 1) -> None:
         self.model = model
         self._lanes = lanes
+        connections = connections or 1
+        if connections > lanes.max_connections:
+            raise MalformedRequest(
+                f"lane_connections {connections}: this broker's TCP lane is striped over at most "
+                f"{lanes.max_connections} connections (Lane.max_connections)",
+                model,
+            )
+        self._expected: list[Expected] = []
         try:
-            self._expected: Expected = lanes.expect(capability)
+            for each in connection_capabilities(capability, connections):
+                self._expected.append(lanes.expect(each))
         except ValueError as e:
+            self.close()
             raise MalformedRequest(f"lane_capability: {e}", model) from None
         self.frames: Frames | None = None
 
@@ -41,38 +53,65 @@ class LaneCall:
         return "shm" if self.frames is not None and self.frames.sock.family == socket.AF_UNIX else "tcp"
 
     def open(self, timeout: float, nbytes: int, direction: str) -> Frames:
-        """The connection that presented the capability, told READY (and given a ring for `nbytes`, on the
-        shared-memory lane; its frames sealed, on a sealed TCP lane: they go `direction`, "push" or "pull");
-        LaneBroken if none came within `timeout` s."""
-        sock = self._expected.wait(timeout)
-        if sock is None:
+        """The connections that presented the call's capabilities, each told READY (and given a ring for `nbytes`,
+        on the shared-memory lane; its frames sealed, on a sealed TCP lane: they go `direction`, "push" or "pull");
+        LaneBroken if they did not all come within `timeout` s. On the shared-memory lane only the first
+        capability counts (the lane is not striped), and a striped lane's connections are all TCP."""
+        deadline = time.monotonic() + timeout
+        first = self._expected[0].wait(timeout)
+        if first is None:
             raise LaneBroken(self.model, f"no lane connection presented the call's capability within {timeout:.0f} s")
-        try:
+        if first.family == socket.AF_UNIX:
+            for rest in self._expected[1:]:
+                self._lanes.forget(rest)
+            return self._opened(self._ring(first, nbytes))
+        socks = [first]
+        for waiting in self._expected[1:]:
+            sock = waiting.wait(max(0.0, deadline - time.monotonic()))
+            if sock is None:
+                raise LaneBroken(self.model, f"{len(socks)} of the lane's {len(self._expected)} connections came "
+                                 f"within {timeout:.0f} s")  # fmt: skip
+            socks.append(sock)
             if sock.family == socket.AF_UNIX:
-                size = ring_bytes(nbytes)
-                fd = new_ring(size)
-                try:
-                    frames: Frames = RingFrames(sock, map_ring(fd, size))
-                    offer_ring(sock, fd, size)
-                finally:
-                    os.close(fd)  # (the mapping, and the peer's copy of the descriptor, keep the ring)
-            else:
+                raise LaneBroken(self.model, f"connection {len(socks) - 1} of the lane's {len(self._expected)} came "
+                                 "on the shared-memory lane: a striped lane's connections are all TCP")  # fmt: skip
+        try:
+            for sock in socks:
                 sock.sendall(READY)
-                sealed = self._lanes.sealed
-                frames = SealedFrames(sock, self._expected.capability, direction) if sealed else TcpFrames(sock)
         except OSError as e:
             raise LaneBroken(self.model, f"the lane closed before it was ready: {e}") from None
+        if self._lanes.sealed:
+            parts: list[Frames] = [SealedFrames(s, w.capability, direction) for s, w in zip(socks, self._expected)]
+        else:
+            parts = [TcpFrames(s) for s in socks]
+        return self._opened(parts[0] if len(parts) == 1 else StripedFrames(parts))
+
+    def _ring(self, sock: socket.socket, nbytes: int) -> Frames:
+        try:
+            size = ring_bytes(nbytes)
+            fd = new_ring(size)
+            try:
+                frames = RingFrames(sock, map_ring(fd, size))
+                offer_ring(sock, fd, size)
+            finally:
+                os.close(fd)  # (the mapping, and the peer's copy of the descriptor, keep the ring)
+        except OSError as e:
+            raise LaneBroken(self.model, f"the lane closed before it was ready: {e}") from None
+        return frames
+
+    def _opened(self, frames: Frames) -> Frames:
         self.frames = frames
         return frames
 
     def interrupt(self) -> None:
         """End the lane now (the call is cancelled, revoked or replaced): a read or write blocked on it fails. From
         any thread: the ring stays mapped until the call's own thread closes the lane."""
-        self._lanes.forget(self._expected)
+        for waiting in self._expected:
+            self._lanes.forget(waiting)
 
     def close(self) -> None:
         """From the call's own thread, once it is done with the lane."""
-        self._lanes.forget(self._expected)
+        self.interrupt()
         if self.frames is not None:
             self.frames.close()
 
@@ -83,7 +122,7 @@ def lane_offers(lanes: LaneListener, min_bytes: int) -> list[pb.Lane]:
     if lanes.port is not None:
         sealing = pb.LANE_SEALING_AES_256_GCM if lanes.sealed else pb.LANE_SEALING_NONE
         offers.append(pb.Lane(kind=pb.LANE_KIND_TCP, host=lanes.advertise_host, port=lanes.port, min_bytes=min_bytes,
-                              sealing=sealing))  # fmt: skip
+                              sealing=sealing, max_connections=lanes.max_connections))  # fmt: skip
     if lanes.socket_path is not None:
         offers.append(pb.Lane(kind=pb.LANE_KIND_SHM, path=lanes.socket_path, host_id=host_id(), min_bytes=min_bytes))
     return offers
@@ -103,7 +142,8 @@ def received_chunks(
     stream frame's prefix, so the chunk is stored as the very frame a puller on the stream is sent (and its CRC32C is
     checked there, on the broker's own copy). A lane silent for `idle_timeout` s, or closed before its end marker, is
     LaneBroken."""
-    frames.sock.settimeout(idle_timeout)
+    for sock in frames.socks if isinstance(frames, StripedFrames) else [frames.sock]:
+        sock.settimeout(idle_timeout)
     try:
         while True:
             try:

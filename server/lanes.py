@@ -77,8 +77,9 @@ class LaneListener:
     """The lanes' listeners, and the capabilities the calls under way expect. One thread reads every opening
     (non-blocking, through a selector): a connection costs no thread of its own, only its socket and 40 bytes.
 
-    `tcp` listens for the TCP lane on (host, port), its frames `sealed` or not; `socket_path` for the shared-memory
-    lane ("": a socket in a new directory of the broker's own, removed at close; None: no shared-memory lane)."""
+    `tcp` listens for the TCP lane on (host, port), its frames `sealed` or not, one call's lane striped over at most
+    `max_connections`; `socket_path` for the shared-memory lane ("": a socket in a new directory of the broker's
+    own, removed at close; None: no shared-memory lane)."""
 
     def __init__(
         self,
@@ -86,6 +87,7 @@ class LaneListener:
         advertise_host: str = "",
         socket_path: str | None = None,
         sealed: bool = False,
+        max_connections: int = 1,
     ) -> None:
         self._listeners: list[socket.socket] = []
         self._own_directory: str | None = None
@@ -117,6 +119,7 @@ class LaneListener:
             listener.setblocking(False)
         self.advertise_host = advertise_host  # empty: the client uses the host it reached the broker at
         self.sealed = sealed  # the TCP lane's frames sealed (a broker serving TLS): handoff_client/_seal.py
+        self.max_connections = max_connections
         self._expected: dict[bytes, Expected] = {}
         self._sealed_openings: dict[bytes, bytes] = {}  # what opens a sealed TCP lane: the capability it stands for
         self._voided: OrderedDict[bytes, None] = OrderedDict()

@@ -124,7 +124,7 @@ class HandoffBrokerServicer:
         if header.lane_capability:
             if self.lanes is None:
                 raise LaneBroken(header.model, "this broker offers no lane (GetLanes lists none): push on the stream")
-            lane = LaneCall(self.lanes, header.lane_capability, header.model)
+            lane = LaneCall(self.lanes, header.lane_capability, header.model, header.lane_connections)
             context.add_callback(lane.interrupt)  # a call that ends (its client gone) ends its lane too
 
         def interrupt() -> None:
@@ -226,7 +226,7 @@ class HandoffBrokerServicer:
         lane = None
         try:
             if self.lanes is not None and request.lane_capability:  # (without lanes, the chunks come on the stream)
-                lane = LaneCall(self.lanes, request.lane_capability, request.model)
+                lane = LaneCall(self.lanes, request.lane_capability, request.model, request.lane_connections)
                 context.add_callback(lane.interrupt)  # a call that ends (its client gone) ends its lane too
             yield from self._pull(request, context, lane)
         finally:

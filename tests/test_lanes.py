@@ -10,14 +10,13 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import numpy as np
 import pytest
 from certs import Authority
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import HandoffClient
 from handoff_client._contract import Carried, Contract
-from handoff_client._errors import CallCancelled, LaneBroken, from_rpc_error
+from handoff_client._errors import CallCancelled, LaneBroken
 from handoff_client._frames import crc32c
 from handoff_client._lane import (
     CAPABILITY_BYTES,
@@ -32,16 +31,21 @@ from handoff_client._lane import (
 )
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._seal import sealed_opening
-from handoff_client._wire import decode_pull_response, identity, method_path
+from lane_wire import (
+    LARGE,
+    TCP_ONLY,
+    claimed_on_a_lane,
+    lane_frames,
+    lane_port,
+    pull_call,
+    push_call,
+    read_frames,
+    result,
+)
 from proxy import Proxy
-from support import open_channel, raises_handoff_error
+from support import raises_handoff_error
 
 MARK = b"KV-CACHE-IN-THE-CLEAR:"
-ROWS, COLS = 1024, 1024  # 4 MiB a tensor in float32: well past the lane's 1 MiB floor
-LARGE = Contract("large", ROWS + 1, 64, tuple(Carried(f"k{i}", i, ROWS, COLS, "float32") for i in range(4)))
-
-
-TCP_ONLY = {"shared_memory_lane": False}
 
 
 @pytest.fixture
@@ -85,8 +89,8 @@ def test_no_lanes_offers_none_and_a_push_that_asks_anyway_is_told_to_use_the_str
         tensors = seeded_tensors(LARGE)
         client.push("large", "r", 1, tensors)  # on the stream
         assert_same_bits(client.pull("large", "r").state, tensors)
-        call = _push_call(client, "asks", new_capability())
-        error = raises_handoff_error(_result, call)
+        call = push_call(client, "asks", new_capability())
+        error = raises_handoff_error(result, call)
         assert isinstance(error, LaneBroken) and "offers no lane" in error.message
 
 
@@ -123,10 +127,10 @@ def test_a_sealed_lane_refuses_its_raw_capability_and_frames_in_the_clear_and_ho
     ca = Authority("handoff test CA")
     server = ca.issue("localhost", server=True)
     broker = start_broker(contracts={"large": LARGE}, tls_cert=server.cert, tls_key=server.key, **TCP_ONLY)
-    index, offset, data = _lane_frames(seeded_tensors(LARGE))[0]
+    index, offset, data = lane_frames(seeded_tensors(LARGE))[0]
     with HandoffClient(broker.address, tls_root_certificates=ca.pem, tls_server_name="localhost") as client:
         capability = new_capability()
-        call = _push_call(client, "r", capability)
+        call = push_call(client, "r", capability)
         with pytest.raises(LaneClosed):  # the capability itself keys the frames: it opens nothing on the network
             open_lane("127.0.0.1", client.lane().port, capability, timeout=10)
         with open_lane("127.0.0.1", client.lane().port, sealed_opening(capability), timeout=10) as lane:
@@ -135,13 +139,13 @@ def test_a_sealed_lane_refuses_its_raw_capability_and_frames_in_the_clear_and_ho
                 send_end(lane)
             except OSError:
                 pass  # the broker closed the lane at the first header that failed its tag
-            error = raises_handoff_error(_result, call)
+            error = raises_handoff_error(result, call)
     assert isinstance(error, LaneBroken) and "authentication" in error.message, error
     assert_holds_nothing(broker)
 
 
 def test_a_connection_without_a_valid_capability_is_closed_unanswered_and_changes_nothing(lane_broker):
-    port = _lane_port(lane_broker)
+    port = lane_port(lane_broker)
 
     def answer(opening: bytes) -> bytes:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -165,12 +169,12 @@ def test_a_connection_without_a_valid_capability_is_closed_unanswered_and_change
 def test_a_capability_is_single_use_and_void_once_its_call_ended(lane_broker):
     tensors = seeded_tensors(LARGE)
     with HandoffClient(lane_broker.address) as client:
-        capability, stream, header = _claimed_on_a_lane(client, lane_broker, tensors)
+        capability, stream, header = claimed_on_a_lane(client, lane_broker, tensors)
         assert header.HasField("lane")
         with open_lane("127.0.0.1", header.lane.port, capability, timeout=10) as lane:
             with pytest.raises(LaneClosed):  # the same capability again, while the first lane is open
                 open_lane("127.0.0.1", header.lane.port, capability, timeout=10)
-            received = _read_frames(lane)
+            received = read_frames(lane)
         assert isinstance(next(stream), pb.PullEnd)
         assert received == LARGE.nbytes
         client._confirm_claim("large", "r", header.claim, 10)
@@ -182,7 +186,7 @@ def test_a_capability_is_single_use_and_void_once_its_call_ended(lane_broker):
 def test_a_pull_whose_lane_is_cut_midway_returns_the_claim_and_the_next_pull_gets_it_whole(lane_broker):
     tensors = seeded_tensors(LARGE)
     with HandoffClient(lane_broker.address) as client:
-        capability, stream, header = _claimed_on_a_lane(client, lane_broker, tensors)
+        capability, stream, header = claimed_on_a_lane(client, lane_broker, tensors)
         with open_lane("127.0.0.1", header.lane.port, capability, timeout=10) as lane:
             frame = read_header(lane)
             recv_exact(lane, frame.length // 2)  # half a chunk, then the decoder dies
@@ -196,7 +200,7 @@ def test_a_pull_that_never_opens_its_lane_returns_the_claim_after_the_idle_timeo
     tensors = seeded_tensors(LARGE)
     with HandoffClient(lane_broker.address) as client:
         client.push("large", "r", 1, tensors)
-        stream = _pull_call(lane_broker.address, "r", new_capability())
+        stream = pull_call(lane_broker.address, "r", new_capability())
         assert next(stream).HasField("lane")
         error = raises_handoff_error(lambda: list(stream))  # after --idle-timeout (2 s here)
         assert isinstance(error, LaneBroken) and "within 2 s" in error.message
@@ -209,7 +213,7 @@ def test_a_cancel_ends_a_pull_on_its_lane_and_frees_everything(start_broker):
     with HandoffClient(broker.address) as client:
         client.push("wide", "r", 1, {c.name: np.zeros(c.shape, np.float32) for c in wide.carried})
         capability = new_capability()
-        stream = _pull_call(broker.address, "r", capability, model="wide")
+        stream = pull_call(broker.address, "r", capability, model="wide")
         header = next(stream)
         with open_lane("127.0.0.1", header.lane.port, capability, timeout=30) as lane:
             read_header(lane)  # the broker is sending; the reader reads no further
@@ -226,7 +230,7 @@ def test_a_reader_that_stops_reading_its_lane_is_revoked_after_the_lease(start_b
     with HandoffClient(broker.address) as client:
         client.push("wide", "r", 1, tensors)
         capability = new_capability()
-        stream = _pull_call(broker.address, "r", capability, model="wide")
+        stream = pull_call(broker.address, "r", capability, model="wide")
         header = next(stream)
         with open_lane("127.0.0.1", header.lane.port, capability, timeout=30):
             started = time.monotonic()
@@ -239,38 +243,38 @@ def test_a_reader_that_stops_reading_its_lane_is_revoked_after_the_lease(start_b
 
 def test_a_push_whose_lane_is_cut_midway_keeps_nothing_visible_and_a_resumable_one_resumes(lane_broker):
     tensors = seeded_tensors(LARGE)
-    frames = _lane_frames(tensors)
+    frames = lane_frames(tensors)
     with HandoffClient(lane_broker.address) as client:
         capability = new_capability()
-        call = _push_call(client, "r", capability, resumable=True)
-        with open_lane("127.0.0.1", _lane_port(lane_broker), capability, timeout=10) as lane:
+        call = push_call(client, "r", capability, resumable=True)
+        with open_lane("127.0.0.1", lane_port(lane_broker), capability, timeout=10) as lane:
             for index, offset, data in frames[: len(frames) // 2]:
                 send_frame(lane, index, offset, data, crc32c(data))
-        assert isinstance(raises_handoff_error(_result, call), LaneBroken)
+        assert isinstance(raises_handoff_error(result, call), LaneBroken)
         assert lane_broker.store.stats().ready == 0  # nothing visible
         held = client.push_progress("large", "r")
         assert sum(r.length for t in held.tensors for r in t.received) == LARGE.nbytes // 2
         capability = new_capability()
-        call = _push_call(client, "r", capability, resumable=True, resume=True)
-        with open_lane("127.0.0.1", _lane_port(lane_broker), capability, timeout=10) as lane:
+        call = push_call(client, "r", capability, resumable=True, resume=True)
+        with open_lane("127.0.0.1", lane_port(lane_broker), capability, timeout=10) as lane:
             for index, offset, data in frames[len(frames) // 2 :]:
                 send_frame(lane, index, offset, data, crc32c(data))
             send_end(lane)
-        assert _result(call).bytes == LARGE.nbytes
+        assert result(call).bytes == LARGE.nbytes
         assert_same_bits(client.pull("large", "r").state, tensors)
     assert_holds_nothing(lane_broker)
 
 
 def test_a_bad_frame_on_a_push_lane_is_refused_as_on_the_stream_and_frees_everything(lane_broker):
     tensors = seeded_tensors(LARGE)
-    index, offset, data = _lane_frames(tensors)[0]
+    index, offset, data = lane_frames(tensors)[0]
     with HandoffClient(lane_broker.address) as client:
         capability = new_capability()
-        call = _push_call(client, "r", capability)
-        with open_lane("127.0.0.1", _lane_port(lane_broker), capability, timeout=10) as lane:
+        call = push_call(client, "r", capability)
+        with open_lane("127.0.0.1", lane_port(lane_broker), capability, timeout=10) as lane:
             send_frame(lane, index, offset, data, crc32c(data) ^ 1)
             send_end(lane)
-        error = raises_handoff_error(_result, call)
+        error = raises_handoff_error(result, call)
         assert error.reason == "BAD_CHUNK" and "k0" in error.message
     assert_holds_nothing(lane_broker)
 
@@ -278,77 +282,7 @@ def test_a_bad_frame_on_a_push_lane_is_refused_as_on_the_stream_and_frees_everyt
 def test_a_silent_push_lane_is_dropped_after_the_idle_timeout(lane_broker):
     with HandoffClient(lane_broker.address) as client:
         capability = new_capability()
-        call = _push_call(client, "r", capability)
-        with open_lane("127.0.0.1", _lane_port(lane_broker), capability, timeout=10):
-            assert isinstance(raises_handoff_error(_result, call), LaneBroken)  # after --idle-timeout (2 s)
+        call = push_call(client, "r", capability)
+        with open_lane("127.0.0.1", lane_port(lane_broker), capability, timeout=10):
+            assert isinstance(raises_handoff_error(result, call), LaneBroken)  # after --idle-timeout (2 s)
     assert_holds_nothing(lane_broker)
-
-
-# -- speaking the wire by hand ----------------------------------------------------------------------------------------
-
-
-def _lane_port(broker) -> int:
-    with HandoffClient(broker.address) as client:
-        lane = client.lane()
-    assert lane is not None
-    return lane.port
-
-
-def _lane_frames(tensors: dict[str, np.ndarray], chunk: int = 1 << 20) -> list[tuple[int, int, memoryview]]:
-    frames = []
-    for index, carried in enumerate(LARGE.carried):
-        payload = memoryview(tensors[carried.name].reshape(-1).view(np.uint8))
-        frames += [(index, at, payload[at : at + chunk]) for at in range(0, carried.nbytes, chunk)]
-    return frames
-
-
-def _push_call(client: HandoffClient, handoff_id: str, capability: bytes, **flags: bool):
-    header = pb.PushHeader(model="large", handoff_id=handoff_id, position=1, fingerprint=LARGE.fingerprint,
-                           lane_capability=capability, **flags)  # fmt: skip
-    push = client._channel.stream_unary(method_path("PushHandoff"), request_serializer=identity,
-                                        response_deserializer=pb.PushResponse.FromString)  # fmt: skip
-    return push.future(iter([pb.PushRequest(header=header).SerializeToString()]), timeout=30)
-
-
-def _result(call) -> pb.PushResponse:
-    try:
-        return call.result()
-    except grpc.RpcError as e:
-        raise from_rpc_error(e) from None
-
-
-def _claimed_on_a_lane(client: HandoffClient, broker, tensors: dict[str, np.ndarray]):
-    """Push `r` whole, then claim it by hand offering a lane: (the capability, the open stream, its header)."""
-    client.push("large", "r", 1, tensors)
-    capability = new_capability()
-    stream = _pull_call(broker.address, "r", capability)
-    return capability, stream, next(stream)
-
-
-def _pull_call(address: str, handoff_id: str, capability: bytes, model: str = "large", lane_kind: int = 0):
-    """An open pull stream offering a lane (of `lane_kind`; 0 means TCP); decoded, not acted on. Errors come as our
-    exceptions."""
-    channel = open_channel(address)
-    pull = channel.unary_stream(method_path("PullHandoff"), request_serializer=pb.PullRequest.SerializeToString,
-                                response_deserializer=decode_pull_response)  # fmt: skip
-    request = pb.PullRequest(model=model, handoff_id=handoff_id, lane_capability=capability, lane_kind=lane_kind)
-    return _translated(pull(request, timeout=30), channel)
-
-
-def _translated(stream, channel):
-    try:
-        yield from stream
-    except grpc.RpcError as e:
-        raise from_rpc_error(e) from None
-    finally:
-        channel.close()
-
-
-def _read_frames(lane: socket.socket) -> int:
-    """Read a lane to its end marker, checking each frame's CRC32C; the bytes received."""
-    total = 0
-    while not (frame := read_header(lane)).end:
-        data = recv_exact(lane, frame.length)
-        assert crc32c(data) == frame.crc
-        total += frame.length
-    return total

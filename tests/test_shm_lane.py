@@ -26,8 +26,8 @@ from handoff_client._lane import FRAME, new_capability
 from handoff_client._lane_choice import choose
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._ring import PIECE, open_ring_lane
+from lane_wire import pull_call, push_call, result
 from support import raises_handoff_error
-from test_lanes import _pull_call, _push_call, _result
 
 ROWS, COLS = 1024, 1024  # 4 MiB a tensor in float32: well past the lanes' 1 MiB floor
 LARGE = Contract("large", ROWS + 1, 64, tuple(Carried(f"k{i}", i, ROWS, COLS, "float32") for i in range(4)))
@@ -157,11 +157,11 @@ def test_a_pusher_killed_holding_the_ring_leaves_nothing_visible_or_mapped_and_i
 def test_a_ring_piece_that_does_not_fit_its_frame_is_refused_and_frees_everything(shm_broker):
     with HandoffClient(shm_broker.address) as client:
         capability = new_capability()
-        call = _push_call(client, "r", capability)
+        call = push_call(client, "r", capability)
         frames = open_ring_lane(client.lane().path, capability, timeout=10)
         try:  # a frame of 1 KiB whose piece claims 2 KiB of the ring
             frames.sock.sendall(FRAME.pack(0, 0, 1024, crc32c(bytes(1024))) + PIECE.pack(2048))
-            error = raises_handoff_error(_result, call)
+            error = raises_handoff_error(result, call)
         finally:
             frames.close()
     assert error.reason == "MALFORMED_REQUEST" and "does not fit" in error.message, error
@@ -174,7 +174,7 @@ def test_a_puller_that_gives_no_room_back_is_revoked_after_the_lease_and_the_nex
     with HandoffClient(broker.address) as client:
         client.push("wide", "r", 1, tensors)
         capability = new_capability()
-        stream = _pull_call(broker.address, "r", capability, model="wide", lane_kind=pb.LANE_KIND_SHM)
+        stream = pull_call(broker.address, "r", capability, model="wide", lane_kind=pb.LANE_KIND_SHM)
         header = next(stream)
         assert header.lane.kind == pb.LANE_KIND_SHM
         frames = open_ring_lane(header.lane.path, capability, timeout=30)

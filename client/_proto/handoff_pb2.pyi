@@ -157,7 +157,7 @@ class Chunk(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "handoff_id", "position", "fingerprint", "ttl_seconds", "no_wait", "resumable", "resume", "shard", "lane_capability")
+    __slots__ = ("model", "handoff_id", "position", "fingerprint", "ttl_seconds", "no_wait", "resumable", "resume", "shard", "lane_capability", "lane_connections")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class PushHeader(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LANE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     position: int
@@ -178,7 +179,8 @@ class PushHeader(_message.Message):
     resume: bool
     shard: Shard
     lane_capability: bytes
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ..., resumable: _Optional[bool] = ..., resume: _Optional[bool] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., lane_capability: _Optional[bytes] = ...) -> None: ...
+    lane_connections: int
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., position: _Optional[int] = ..., fingerprint: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ..., resumable: _Optional[bool] = ..., resume: _Optional[bool] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., lane_capability: _Optional[bytes] = ..., lane_connections: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -203,7 +205,7 @@ class PushResponse(_message.Message):
     def __init__(self, handoff_id: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., digest: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "handoff_id", "supersedes", "shard", "wait_seconds", "lane_capability", "lane_kind")
+    __slots__ = ("model", "handoff_id", "supersedes", "shard", "wait_seconds", "lane_capability", "lane_kind", "lane_connections")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDES_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +213,7 @@ class PullRequest(_message.Message):
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LANE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     LANE_KIND_FIELD_NUMBER: _ClassVar[int]
+    LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     supersedes: int
@@ -218,7 +221,8 @@ class PullRequest(_message.Message):
     wait_seconds: float
     lane_capability: bytes
     lane_kind: LaneKind
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., lane_capability: _Optional[bytes] = ..., lane_kind: _Optional[_Union[LaneKind, str]] = ...) -> None: ...
+    lane_connections: int
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., lane_capability: _Optional[bytes] = ..., lane_kind: _Optional[_Union[LaneKind, str]] = ..., lane_connections: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("model", "handoff_id", "position", "fingerprint", "claim", "bytes", "chunks", "shard", "lane")
@@ -329,7 +333,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Lane(_message.Message):
-    __slots__ = ("kind", "host", "port", "min_bytes", "path", "host_id", "sealing")
+    __slots__ = ("kind", "host", "port", "min_bytes", "path", "host_id", "sealing", "max_connections")
     KIND_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +341,7 @@ class Lane(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SEALING_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     kind: LaneKind
     host: str
     port: int
@@ -344,7 +349,8 @@ class Lane(_message.Message):
     path: str
     host_id: str
     sealing: LaneSealing
-    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[str] = ..., sealing: _Optional[_Union[LaneSealing, str]] = ...) -> None: ...
+    max_connections: int
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[str] = ..., sealing: _Optional[_Union[LaneSealing, str]] = ..., max_connections: _Optional[int] = ...) -> None: ...
 
 class LanesRequest(_message.Message):
     __slots__ = ()
