@@ -280,9 +280,14 @@ def test_a_bad_frame_on_a_push_lane_is_refused_as_on_the_stream_and_frees_everyt
 
 
 def test_a_silent_push_lane_is_dropped_after_the_idle_timeout(lane_broker):
+    """The lane's read times out (LANE_BROKEN) as the store's timer for a push gone silent ends the call
+    (CANCELLED, as for a silent stream): both at --idle-timeout, so either may say it first."""
     with HandoffClient(lane_broker.address) as client:
         capability = new_capability()
         call = push_call(client, "r", capability)
         with open_lane("127.0.0.1", lane_port(lane_broker), capability, timeout=10):
-            assert isinstance(raises_handoff_error(result, call), LaneBroken)  # after --idle-timeout (2 s)
+            started = time.monotonic()
+            error = raises_handoff_error(result, call)  # after --idle-timeout (2 s)
+            assert isinstance(error, (LaneBroken, CallCancelled)), error
+            assert time.monotonic() - started < 8
     assert_holds_nothing(lane_broker)
