@@ -66,7 +66,7 @@ def engine(role: str, model_dir: str, settings_file: str) -> None:
                     "kv_connector_extra_config": {"shared_storage_path": settings["storage"]}}  # fmt: skip
     llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="uni",
               num_gpu_blocks_override=256, block_size=settings["block"], max_model_len=4096, dtype="bfloat16",
-              gpu_memory_utilization=0.05, kv_transfer_config=transfer, enable_prefix_caching=False)  # fmt: skip
+              kv_cache_memory_bytes=1 << 30, kv_transfer_config=transfer, enable_prefix_caching=False)  # fmt: skip
     warm = [TokensPrompt(prompt_token_ids=[(7 * i) % 500 + 1 for i in range(64)])]
     llm.generate(warm, SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
     seconds, cached = [], []

@@ -39,6 +39,9 @@ MODEL = "tiny-llama"
 PROMPTS = [[(i * 7 + n) % 500 + 3 for i in range(n)] for n in (7, 77, 150, 200)]  # under a block, blocks, several
 MAX_TOKENS = 8
 BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2  # layers x (key, value) x kv heads x head_dim x bf16
+# The KV cache each engine allocates, set outright: vLLM's CPU build otherwise sizes it as a share of the first NUMA
+# node's memory less the process's own, which on a VM whose first node is small leaves nothing, and fails to start.
+KV_CACHE_BYTES = 256 << 20
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,7 @@ def start_vllm(role: str, model_dir: Path, tmp_path: Path, *, block: int, target
                params=None, **extra) -> subprocess.Popen:  # fmt: skip
     """One vLLM instance in its own process, running the prompts (tests/vllm_roles.py)."""
     settings = {"prompts": prompts, "block_size": block, "max_tokens": MAX_TOKENS, "kv_transfer_params": params,
+                "kv_cache_bytes": KV_CACHE_BYTES,
                 "extra": {"target": target, "model": MODEL, **extra}}  # fmt: skip
     file = tmp_path / f"{role}-{time.monotonic_ns()}.json"
     file.write_text(json.dumps(settings))
@@ -245,7 +249,7 @@ def _serve(model_dir: Path, tmp_path: Path, port: int, block: int, bind: str, kv
                "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--skip-tokenizer-init",
                "--enforce-eager", "--distributed-executor-backend", "uni", "--num-gpu-blocks-override", "64",
                "--block-size", str(block), "--max-model-len", "1024", "--dtype", "bfloat16",
-               "--gpu-memory-utilization", "0.05", "--no-enable-prefix-caching"]  # fmt: skip
+               "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--no-enable-prefix-caching"]  # fmt: skip
     if kv_transfer:
         command += ["--kv-transfer-config", json.dumps(kv_transfer)]
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -31,7 +31,8 @@ def main(role: str, model_dir: str, settings_file: str) -> None:
     llm = LLM(
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="uni",
         num_gpu_blocks_override=64, block_size=settings["block_size"], max_model_len=settings.get("max_model_len", 1024),
-        dtype="bfloat16", gpu_memory_utilization=0.05, kv_transfer_config=kv_transfer, enable_prefix_caching=False,
+        dtype="bfloat16", kv_cache_memory_bytes=settings["kv_cache_bytes"], kv_transfer_config=kv_transfer,
+        enable_prefix_caching=False,
     )  # fmt: skip
     ready = time.perf_counter()
     prompts = [TokensPrompt(prompt_token_ids=p) for p in settings["prompts"]]
