@@ -1,5 +1,8 @@
 # The broker alone: a slim Python, the package with its [server] extra, a non-root user.
-FROM python:3.11-slim
+#   docker build -t handoff-broker:0.1.0 .     (the name deploy/kubernetes/broker.yaml and docker-compose.yml use)
+# The base is pinned to an exact release; pin it by digest too (python:3.11.7-slim-bookworm@sha256:...) where your
+# registry policy asks for it.
+FROM python:3.11.7-slim-bookworm
 
 WORKDIR /src
 COPY pyproject.toml README.md ./

@@ -68,7 +68,11 @@ def test_the_compose_file_is_well_formed_and_its_commands_parse():
     probe = broker["healthcheck"]["test"]
     assert probe[0] == "CMD" and probe[1] == "handoff-broker"
     assert build_parser().parse_args(probe[2:]).target.endswith(f":{args.port}")
+    image = (ROOT / "deploy/kubernetes/broker.yaml").read_text().split("image: ", 1)[1].split()[0]
+    assert broker["build"] == "." and broker["image"] == image  # built once, under the name Kubernetes runs
     for role in ("prefill", "decode"):
+        assert "build" not in services[role] and services[role]["image"] == image  # the broker's, not built again
+        assert services[role]["pull_policy"] == "never"
         worker = build_parser().parse_args(services[role]["command"])
         assert (worker.command, worker.role, worker.target) == ("traffic", role, f"broker:{args.port}")
     scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
