@@ -13,6 +13,9 @@ the broker alike. The TCP lane, in short (all integers little-endian):
                   u32 length   bytes that follow (1 .. MAX_LANE_CHUNK)
                   u32 crc32c   CRC32C (Castagnoli) of those bytes
     end       a header whose index is END (0xFFFFFFFF), the other fields 0; the sender then closes its side
+    striped   a call may ask for its lane over n connections: connection k > 0 presents a capability derived from the
+              call's (`connection_capabilities`), READY comes on each once all have come, each frame goes whole on
+              any one, and each connection ends with its own end marker (`StripedFrames`)
 
 Every frame is checked as on the gRPC path (bounds, overlap, CRC32C), and the digest covers the same
 (index, offset, length, crc32c) entries; the commit, the digest, confirm and every error travel on the gRPC call.
