@@ -38,14 +38,14 @@ class LaneCall:
                 f"{lanes.max_connections} connections (Lane.max_connections)",
                 model,
             )
+        self.frames: Frames | None = None
         self._expected: list[Expected] = []
         try:
             for each in connection_capabilities(capability, connections):
                 self._expected.append(lanes.expect(each))
         except ValueError as e:
-            self.close()
+            self.close()  # (the connections' capabilities registered before the one refused)
             raise MalformedRequest(f"lane_capability: {e}", model) from None
-        self.frames: Frames | None = None
 
     @property
     def kind(self) -> str:

@@ -223,3 +223,14 @@ def test_a_connection_capability_is_single_use_and_opens_nothing_without_its_cal
         assert total == LARGE.nbytes and isinstance(next(stream), pb.PullEnd)
         client._confirm_claim("large", "r", header.claim, 10)
     assert_holds_nothing(lane_broker)
+
+
+def test_a_capability_of_the_wrong_length_is_refused_naming_its_length_and_changes_nothing(lane_broker):
+    with HandoffClient(lane_broker.address) as client:
+        for connections in (1, 3):
+            error = raises_handoff_error(result, push_call(client, "r", b"short", lane_connections=connections))
+            assert isinstance(error, MalformedRequest) and "32 bytes, not 5" in error.message, error
+        tensors = seeded_tensors(LARGE, seed=10)
+        client.push("large", "r", 1, tensors)  # the broker still serves, its lane too
+        assert_same_bits(client.pull("large", "r").state, tensors)
+    assert_holds_nothing(lane_broker)
