@@ -26,6 +26,7 @@ import select
 import socket
 import struct
 from collections.abc import Callable
+from functools import cache
 
 import numpy as np
 
@@ -40,8 +41,10 @@ RING_READY = struct.Struct("<cI")  # READY, ring_bytes
 RING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
+@cache
 def host_id() -> str:
-    """This host's identity as the shared-memory lane names it: the Linux boot id ("" where there is none)."""
+    """This host's identity as the shared-memory lane names it: the Linux boot id ("" where there is none), read
+    once: it is the same until the host reboots."""
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
             return f.read().strip()

@@ -15,7 +15,15 @@ import numpy as np
 from handoff_client._contract import Contract
 from handoff_client._errors import LaneBroken, MalformedRequest, MessageTooLarge
 from handoff_client._frames import ChunkFrame, chunk_prefix
-from handoff_client._lane import READY, Frames, LaneClosed, StripedFrames, TcpFrames, connection_capabilities
+from handoff_client._lane import (
+    CAPABILITY_BYTES,
+    READY,
+    Frames,
+    LaneClosed,
+    StripedFrames,
+    TcpFrames,
+    connection_capabilities,
+)
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._ring import RingFrames, host_id, map_ring, new_ring, offer_ring, ring_bytes
 from handoff_client._seal import SealedFrames
@@ -31,13 +39,7 @@ class LaneCall:
     def __init__(self, lanes: LaneListener, capability: bytes, model: str, connections: int = 1) -> None:
         self.model = model
         self._lanes = lanes
-        connections = connections or 1
-        if connections > lanes.max_connections:
-            raise MalformedRequest(
-                f"lane_connections {connections}: this broker's TCP lane is striped over at most "
-                f"{lanes.max_connections} connections (Lane.max_connections)",
-                model,
-            )
+        connections = check_lane_request(lanes, capability, connections, model)
         self.frames: Frames | None = None
         self._expected: list[Expected] = []
         try:
@@ -114,6 +116,21 @@ class LaneCall:
         self.interrupt()
         if self.frames is not None:
             self.frames.close()
+
+
+def check_lane_request(lanes: LaneListener, capability: bytes, connections: int, model: str) -> int:
+    """How many connections a call's lane is striped over (0 means 1); MalformedRequest past the broker's limit, or
+    for a capability of the wrong length."""
+    if len(capability) != CAPABILITY_BYTES:
+        raise MalformedRequest(f"lane_capability: a lane capability is {CAPABILITY_BYTES} bytes, not {len(capability)}",
+                               model)  # fmt: skip
+    if connections > lanes.max_connections:
+        raise MalformedRequest(
+            f"lane_connections {connections}: this broker's TCP lane is striped over at most "
+            f"{lanes.max_connections} connections (Lane.max_connections)",
+            model,
+        )
+    return connections or 1
 
 
 def lane_offers(lanes: LaneListener, min_bytes: int) -> list[pb.Lane]:

@@ -32,7 +32,7 @@ from handoff_client._wire import (
 
 from .admission import Admission
 from .auth import authorize_model, may_see
-from .lane_calls import LaneCall, lane_offer, lane_offers, received_chunks, send_chunks, send_lane_end
+from .lane_calls import LaneCall, check_lane_request, lane_offer, lane_offers, received_chunks, send_chunks, send_lane_end
 from .lanes import LaneListener
 from .metrics import Metrics
 from .rpc import mapped, mapped_stream
@@ -223,30 +223,28 @@ class HandoffBrokerServicer:
         if not context.add_callback(slot.give_back):
             slot.give_back()
             return
-        lane = None
+        progress = _Progress()
         try:
-            if self.lanes is not None and request.lane_capability:  # (without lanes, the chunks come on the stream)
-                lane = LaneCall(self.lanes, request.lane_capability, request.model, request.lane_connections)
-                context.add_callback(lane.interrupt)  # a call that ends (its client gone) ends its lane too
-            yield from self._pull(request, context, lane)
+            if self.lanes is not None and request.lane_capability:  # checked now; registered if a lane is offered
+                check_lane_request(self.lanes, request.lane_capability, request.lane_connections, request.model)
+            yield from self._pull(request, context, progress)
         finally:
             slot.give_back()
-            if lane is not None:
-                lane.close()
+            if progress.lane is not None:
+                progress.lane.close()
 
-    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext, lane: LaneCall | None) -> Iterator[bytes]:
+    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext, progress: _Progress) -> Iterator[bytes]:
         if not (math.isfinite(request.wait_seconds) and request.wait_seconds >= 0):
             raise MalformedRequest(f"wait_seconds must be finite and >= 0, got {request.wait_seconds!r}", request.model)
         wait = _wait_budget(context)
         if request.wait_seconds:
             wait = min(wait, request.wait_seconds)
-        progress = _Progress()
 
         def interrupt() -> None:  # a stream whose end is on its way has nothing left to cut short
             if not progress.ending:
                 context.cancel()
-                if lane is not None:
-                    lane.interrupt()
+                if progress.lane is not None:
+                    progress.lane.interrupt()
 
         waiting = self.admission.waiting.try_take()
         try:  # past the waiting budget, a pull whose push has not begun is refused at once instead of waiting
@@ -283,11 +281,15 @@ class HandoffBrokerServicer:
         if not context.add_callback(ended):  # the caller is already gone: the claim goes back at once
             ended()
             return
-        offer = lane_offer(self.lanes, self.lane_min_bytes, request.lane_kind) if lane is not None else None
-        if claim.nbytes < self.lane_min_bytes:
-            offer = None
+        offer = None
+        if self.lanes is not None and request.lane_capability and claim.nbytes >= self.lane_min_bytes:
+            offer = lane_offer(self.lanes, self.lane_min_bytes, request.lane_kind)
+            if offer is not None:  # registered before the header names it: the client's opening finds it at once
+                lane = LaneCall(self.lanes, request.lane_capability, request.model, request.lane_connections)
+                progress.lane = lane
+                context.add_callback(lane.interrupt)  # a call that ends (its client gone) ends its lane too
         yield _pull_header(claim, request.shard, offer)
-        frames = lane.open(self.idle_timeout, claim.nbytes, "pull") if lane is not None and offer is not None else None
+        frames = progress.lane.open(self.idle_timeout, claim.nbytes, "pull") if progress.lane is not None else None
         fed = 0
         while True:
             chunks, digest = self.store.feed(claim, fed, _wait_budget(context))
@@ -308,12 +310,12 @@ class HandoffBrokerServicer:
         progress.sent_all = True
         elapsed = time.monotonic() - started
         self.metrics.bytes_out.labels(model).inc(claim.nbytes)
-        if lane is not None and frames is not None:
-            self.metrics.lane_bytes.labels(model, "pull", lane.kind).inc(claim.nbytes)
+        if progress.lane is not None:
+            self.metrics.lane_bytes.labels(model, "pull", progress.lane.kind).inc(claim.nbytes)
         self.metrics.pull_seconds.labels(model).observe(elapsed)
         logger.info(
             "pull %s/%s streamed to claim %d: %d bytes%s, %.1f ms",
-            claim.model, claim.handoff_id, claim.generation, claim.nbytes, f" on its {lane.kind} lane" if lane and frames else "",
+            claim.model, claim.handoff_id, claim.generation, claim.nbytes, f" on its {progress.lane.kind} lane" if progress.lane else "",
             elapsed * 1000,
         )  # fmt: skip
 
@@ -380,11 +382,14 @@ def _watched(requests: Iterator[object], watch: Watch, idle: float) -> Iterator[
 
 
 class _Progress:
-    __slots__ = ("ending", "sent_all")
+    """A pull's stream as its handler and its interrupt see it."""
+
+    __slots__ = ("ending", "lane", "sent_all")
 
     def __init__(self) -> None:
         self.ending = False  # the stream's end is being sent
         self.sent_all = False  # ... and was
+        self.lane: LaneCall | None = None  # its lane, once the header offers one (a large enough hand-off)
 
 
 def _pull_header(claim: Claim, shard: pb.Shard, lane: pb.Lane | None) -> bytes:
