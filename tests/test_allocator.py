@@ -109,7 +109,7 @@ def test_a_reshard_frees_each_pushed_tensor_as_it_goes_so_it_never_holds_two_cop
     )
     broker, address = start_serving("--contracts", str(tmp_path))
     try:
-        # On the TCP lane, as measured: the shared-memory lane's rings (up to 8 MiB a call, mapped by the broker too)
+        # On the TCP lane, as measured: the shared-memory lane's rings (up to 2 MiB a call, mapped by the broker too)
         # would add to its peak a transport cost this test does not weigh.
         with HandoffClient(address, timeout=30, shared_memory=False) as client:
             contract = client.get_contract("heads")  # 64 MiB, every tensor split by 8 heads
