@@ -690,7 +690,8 @@ class Bench:
             (contracts / f"{name}.json").write_text(json.dumps(manifest_json))
         broker = subprocess.Popen(
             [sys.executable, "-m", "handoff_broker.cli", "--log-level", "WARNING", "serve", "--port", "0",
-             "--metrics-port", "-1", "--contracts", str(contracts)],
+             "--metrics-port", "-1", "--contracts", str(contracts),
+             "--shared-memory-lane-min-bytes", "1MiB"],  # (each lane's row on that lane, from the lanes' 1 MiB floor)
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         self._processes.append(broker)

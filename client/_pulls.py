@@ -197,7 +197,7 @@ class PulledTensors:
         checked, then its CRC32C; as on the stream, yield each tensor once whole."""
         model = contract.model
         capability = self._request.lane_capability
-        if not capability or lane.kind != (self._request.lane_kind or pb.LANE_KIND_TCP):
+        if not capability or lane.kind not in (self._request.lane_kind or pb.LANE_KIND_TCP, pb.LANE_KIND_TCP):
             raise MalformedRequest("the broker named a lane for a pull that offered none, or another kind", model)
         try:
             connections = self._request.lane_connections or 1

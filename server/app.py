@@ -47,6 +47,9 @@ ALLOCATOR_ARENAS = 1
 and trimming it when the broker goes idle hands back everything (measured: with more arenas, tens of MiB stayed)."""
 DEFAULT_WORKERS = 256
 DEFAULT_LANE_MIN_BYTES = 1 << 20
+# Below this a client on the broker's host takes the TCP lane rather than the shared-memory one, whose ring and
+# descriptor cost more per call (benchmarks/lane_crossover.py: about even at 16 MiB, faster from there).
+DEFAULT_SHM_LANE_MIN_BYTES = 16 << 20
 """Below this a hand-off goes on the stream: opening a lane's connection costs more than the lane saves."""
 """Threads serving calls: each open stream, and each pull waiting for its push, holds one."""
 
@@ -112,7 +115,7 @@ class BrokerConfig:
     # The lanes for bulk bytes (docs/lanes.md), on unless turned off: the TCP lane (its frames sealed while the broker
     # serves TLS), on its port (0: any free one), advertising the host clients should
     # connect to (empty: the one they reached the broker at); the shared-memory lane for clients on this host, on
-    # its Unix socket (empty: one in a new private directory); the smallest hand-off moved on either; the most TCP
+    # its Unix socket (empty: one in a new private directory); the smallest hand-off moved on each; the most TCP
     # connections one call's lane may be striped over.
     lanes: bool = True
     lane_port: int = 0
@@ -120,6 +123,7 @@ class BrokerConfig:
     shared_memory_lane: bool = True
     lane_socket: str = ""
     lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES
+    shared_memory_lane_min_bytes: int = DEFAULT_SHM_LANE_MIN_BYTES
     lane_max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
@@ -184,6 +188,7 @@ class Broker:
             idle_timeout=config.idle_timeout,
             lanes=self.lanes,
             lane_min_bytes=config.lane_min_bytes,
+            shm_lane_min_bytes=config.shared_memory_lane_min_bytes,
         )
         interceptors = [AuthInterceptor(config.tokens, servicer._count_refusal)] if config.tokens else []
         self.server = grpc.server(

@@ -193,7 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lane-advertise-host", default="",
                        help="the host clients open lanes to (default: the one they reached the broker at)")  # fmt: skip
     serve.add_argument("--lane-min-bytes", type=_parse_bytes, default=1 << 20,
-                       help="the smallest hand-off moved on the lane; smaller ones stay on the streams (1MiB)")  # fmt: skip
+                       help="the smallest hand-off moved on the TCP lane; smaller ones stay on the streams (1MiB)")  # fmt: skip
+    serve.add_argument("--shared-memory-lane-min-bytes", type=_parse_bytes, default=16 << 20,
+                       help="the smallest hand-off moved on the shared-memory lane; a smaller one from this host "
+                       "takes the TCP lane (16MiB)")  # fmt: skip
     serve.add_argument("--lane-max-connections", type=_connections, default=DEFAULT_MAX_CONNECTIONS,
                        help="the most TCP connections one call's lane may be striped over, "
                        f"1..{MAX_CONNECTIONS} ({DEFAULT_MAX_CONNECTIONS})")  # fmt: skip

@@ -138,6 +138,7 @@ def serve(args: argparse.Namespace) -> int:
         shared_memory_lane=args.shared_memory_lane,
         lane_socket=args.lane_socket,
         lane_min_bytes=args.lane_min_bytes,
+        shared_memory_lane_min_bytes=args.shared_memory_lane_min_bytes,
         lane_max_connections=args.lane_max_connections,
         keepalive_seconds=args.keepalive,
         keepalive_timeout_seconds=args.keepalive_timeout,

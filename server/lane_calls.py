@@ -133,23 +133,28 @@ def check_lane_request(lanes: LaneListener, capability: bytes, connections: int,
     return connections or 1
 
 
-def lane_offers(lanes: LaneListener, min_bytes: int) -> list[pb.Lane]:
-    """The lanes as GetLanes describes them to clients."""
+def lane_offers(lanes: LaneListener, tcp_min_bytes: int, shm_min_bytes: int) -> list[pb.Lane]:
+    """The lanes as GetLanes describes them to clients, each with the smallest hand-off it moves."""
     offers = []
     if lanes.port is not None:
         sealing = pb.LANE_SEALING_AES_256_GCM if lanes.sealed else pb.LANE_SEALING_NONE
-        offers.append(pb.Lane(kind=pb.LANE_KIND_TCP, host=lanes.advertise_host, port=lanes.port, min_bytes=min_bytes,
-                              sealing=sealing, max_connections=lanes.max_connections))  # fmt: skip
+        offers.append(pb.Lane(kind=pb.LANE_KIND_TCP, host=lanes.advertise_host, port=lanes.port,
+                              min_bytes=tcp_min_bytes, sealing=sealing, max_connections=lanes.max_connections))  # fmt: skip
     if lanes.socket_path is not None:
-        offers.append(pb.Lane(kind=pb.LANE_KIND_SHM, path=lanes.socket_path, host_id=host_id(), min_bytes=min_bytes))
+        offers.append(pb.Lane(kind=pb.LANE_KIND_SHM, path=lanes.socket_path, host_id=host_id(), min_bytes=shm_min_bytes))
     return offers
 
 
-def lane_offer(lanes: LaneListener, min_bytes: int, kind: pb.LaneKind.ValueType) -> pb.Lane | None:
-    """The lane of that kind, as a PullHeader names it (UNSPECIFIED: TCP, as clients before the shared-memory lane
-    mean); None if the broker offers none of that kind."""
-    kind = kind or pb.LANE_KIND_TCP
-    return next((offer for offer in lane_offers(lanes, min_bytes) if offer.kind == kind), None)
+def lane_for_pull(offers: list[pb.Lane], kind: pb.LaneKind.ValueType, nbytes: int) -> pb.Lane | None:
+    """The lane a PullHeader names for a hand-off of `nbytes`: the kind the pull asked for (UNSPECIFIED: TCP, as
+    clients before the shared-memory lane mean) if the hand-off is at least its min_bytes, else the TCP lane if it
+    is at least that one's; None: the chunks come on the stream."""
+    by_kind = {offer.kind: offer for offer in offers}
+    for candidate in (kind or pb.LANE_KIND_TCP, pb.LANE_KIND_TCP):
+        offer = by_kind.get(candidate)
+        if offer is not None and nbytes >= offer.min_bytes:
+            return offer
+    return None
 
 
 def received_chunks(

@@ -32,7 +32,7 @@ from handoff_client._wire import (
 
 from .admission import Admission
 from .auth import authorize_model, may_see
-from .lane_calls import LaneCall, check_lane_request, lane_offer, lane_offers, received_chunks, send_chunks, send_lane_end
+from .lane_calls import LaneCall, check_lane_request, lane_for_pull, lane_offers, received_chunks, send_chunks, send_lane_end
 from .lanes import LaneListener
 from .metrics import Metrics
 from .rpc import mapped, mapped_stream
@@ -70,6 +70,7 @@ class HandoffBrokerServicer:
         idle_timeout: float = 30.0,
         lanes: LaneListener | None = None,
         lane_min_bytes: int = 0,
+        shm_lane_min_bytes: int = 0,
     ) -> None:
         self.store = store
         self.metrics = metrics
@@ -78,7 +79,8 @@ class HandoffBrokerServicer:
         self.max_message_bytes = max_message_bytes
         self.idle_timeout = idle_timeout
         self.lanes = lanes
-        self.lane_min_bytes = lane_min_bytes
+        self.lane_min_bytes = lane_min_bytes  # the TCP lane's; the shared-memory lane's below
+        self.shm_lane_min_bytes = shm_lane_min_bytes
 
     def _model_label(self, model: str | None) -> str:
         """A model label from the fixed set served; anything a caller made up is "unknown" (bounded cardinality)."""
@@ -282,8 +284,9 @@ class HandoffBrokerServicer:
             ended()
             return
         offer = None
-        if self.lanes is not None and request.lane_capability and claim.nbytes >= self.lane_min_bytes:
-            offer = lane_offer(self.lanes, self.lane_min_bytes, request.lane_kind)
+        if self.lanes is not None and request.lane_capability:
+            offers = lane_offers(self.lanes, self.lane_min_bytes, self.shm_lane_min_bytes)
+            offer = lane_for_pull(offers, request.lane_kind, claim.nbytes)
             if offer is not None:  # registered before the header names it: the client's opening finds it at once
                 lane = LaneCall(self.lanes, request.lane_capability, request.model, request.lane_connections)
                 progress.lane = lane
@@ -352,7 +355,7 @@ class HandoffBrokerServicer:
     def GetLanes(self, request: pb.LanesRequest, context: grpc.ServicerContext) -> pb.LanesResponse:
         if self.lanes is None:
             return pb.LanesResponse()
-        return pb.LanesResponse(lanes=lane_offers(self.lanes, self.lane_min_bytes))
+        return pb.LanesResponse(lanes=lane_offers(self.lanes, self.lane_min_bytes, self.shm_lane_min_bytes))
 
     @mapped
     def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:

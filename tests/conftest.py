@@ -22,10 +22,10 @@ def contracts() -> dict[str, Contract]:
 
 PATHS: dict[str, dict[str, object]] = {
     "default": {},  # as a broker serves by default: large hand-offs on a lane (these clients, on the broker's host,
-    # take its shared-memory lane), small ones on the stream
+    # take its shared-memory lane from 16 MiB, its TCP lane from 1 MiB), small ones on the stream
     "stream": {"lanes": False},  # every byte on the gRPC streams
     "tcp": {"lane_min_bytes": 1, "shared_memory_lane": False},  # every byte a client can send on a lane, on the TCP lane
-    "shm": {"lane_min_bytes": 1},  # ... on the shared-memory lane
+    "shm": {"lane_min_bytes": 1, "shared_memory_lane_min_bytes": 1},  # ... on the shared-memory lane
 }
 """The paths a hand-off's bytes can take. A test module that sets `EVERY_PATH = True` runs each of its tests once on
 each of "stream", "tcp" and "shm" (the brokers it starts serve that path), so each lane keeps every promise the

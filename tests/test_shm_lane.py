@@ -76,6 +76,24 @@ def test_a_client_on_the_brokers_host_takes_the_shared_memory_lane_both_ways_and
     assert_holds_nothing(shm_broker)
 
 
+def test_under_the_shared_memory_lanes_floor_a_client_on_the_brokers_host_takes_the_tcp_lane_both_ways(start_broker):
+    """The shared-memory lane costs more a call than the TCP lane (its ring, its descriptor): below its min_bytes
+    (16 MiB by default) a client here pushes on the TCP lane, and its pull, which asks for shared memory before it
+    knows the size, is named the TCP lane instead."""
+    small = Contract("small", ROWS + 1, 64, (Carried("k", 0, ROWS, COLS, "float32"),))  # 4 MiB
+    broker = start_broker(contracts={"large": LARGE, "small": small})
+    with HandoffClient(broker.address) as client:
+        assert client.lane().kind == pb.LANE_KIND_SHM  # what a pull asks for
+        assert client.lane(small.nbytes).kind == pb.LANE_KIND_TCP and client.lane(LARGE.nbytes).kind == pb.LANE_KIND_SHM
+        for contract in (small, LARGE):
+            tensors = seeded_tensors(contract)
+            client.push(contract.model, "r", 1, tensors)
+            assert_same_bits(client.pull(contract.model, "r").state, tensors)
+    assert lane_bytes(broker, "small", "push", "tcp") == lane_bytes(broker, "small", "pull", "tcp") == small.nbytes
+    assert lane_bytes(broker, "large", "push", "shm") == lane_bytes(broker, "large", "pull", "shm") == LARGE.nbytes
+    assert_holds_nothing(broker)
+
+
 def test_a_client_told_not_to_or_on_another_host_takes_the_tcp_lane(shm_broker):
     tensors = seeded_tensors(LARGE)
     with HandoffClient(shm_broker.address, shared_memory=False) as client:
