@@ -32,7 +32,15 @@ from handoff_client._wire import (
 
 from .admission import Admission
 from .auth import authorize_model, may_see
-from .lane_calls import LaneCall, check_lane_request, lane_for_pull, lane_offers, received_chunks, send_chunks, send_lane_end
+from .lane_calls import (
+    LaneCall,
+    check_lane_request,
+    lane_for_pull,
+    lane_offers,
+    received_chunks,
+    send_chunks,
+    send_lane_end,
+)
 from .lanes import LaneListener
 from .metrics import Metrics
 from .rpc import mapped, mapped_stream
@@ -316,10 +324,10 @@ class HandoffBrokerServicer:
         if progress.lane is not None:
             self.metrics.lane_bytes.labels(model, "pull", progress.lane.kind).inc(claim.nbytes)
         self.metrics.pull_seconds.labels(model).observe(elapsed)
+        on_lane = f" on its {progress.lane.kind} lane" if progress.lane is not None else ""
         logger.info(
             "pull %s/%s streamed to claim %d: %d bytes%s, %.1f ms",
-            claim.model, claim.handoff_id, claim.generation, claim.nbytes, f" on its {progress.lane.kind} lane" if progress.lane else "",
-            elapsed * 1000,
+            claim.model, claim.handoff_id, claim.generation, claim.nbytes, on_lane, elapsed * 1000,
         )  # fmt: skip
 
     @mapped
