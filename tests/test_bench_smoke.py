@@ -4,9 +4,13 @@ judged (this machine is shared and noisy); the judging is done by people reading
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,3 +47,19 @@ def test_the_benchmark_runs_every_path_and_reports_sane_figures(tmp_path: Path):
     assert "x tcp relay" in result.stdout and "x faster than padded" in result.stdout
     assert "QUICK RUN: a smoke test" in result.stdout  # its figures are not to be read as measurements
     assert "(broker CPU and pipelining are reported from 16 MiB up" in result.stdout  # (1 MiB: fixed costs)
+
+
+def test_the_long_link_benchmark_runs_every_path_and_removes_its_namespaces():
+    if os.geteuid() != 0 or not Path("/dev/net/tun").exists() or shutil.which("ip") is None:
+        pytest.skip("benchmarks/long_link.py needs root, /dev/net/tun and iproute2 (its namespaces and TUN devices)")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "long_link.py"), "--mib", "8", "--runs", "1", "--rtt-ms", "2"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    print(result.stdout)
+    assert result.returncode == 0, result.stderr
+    rows = {line[:30].strip(): line.split()[-3:] for line in result.stdout.splitlines() if "MiB/s" not in line}
+    for path in ("raw TCP, 1 connection", "gRPC stream", "TCP lane, 1 connection", "TCP lane, 4 connections"):
+        assert float(rows[path][0]) > 0, path  # every pull crossed the link and was checked
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert "hb-near-" not in left and "hb-far-" not in left
