@@ -113,9 +113,9 @@ def test_under_tls_the_tcp_lane_is_sealed_and_no_byte_of_the_hand_off_crosses_it
             try:
                 client._lane_offers = [pb.Lane(kind=lane.kind, host="127.0.0.1", port=tap.port,
                                                min_bytes=lane.min_bytes, sealing=lane.sealing)]  # fmt: skip
-                # A lane whose opening is lost (two of this session's six full runs, on two busy cores, saw one: the tap carried
-                # the opening and never a READY) ends in the designed fallback, the push retried on the stream,
-                # which this tap cannot see: then push again, until the lane carried it.
+                # A lane whose opening is lost (two of this session's six full runs, on two busy cores, saw one: the
+                # tap carried the opening and never a READY) ends in the designed fallback, the push retried on the
+                # stream, which this tap cannot see: then push again, until the lane carried it.
                 for attempt in range(3):
                     client.push("large", f"r{attempt}", 1, marked)
                     if lane_bytes(broker, "large", "push") == LARGE.nbytes:
