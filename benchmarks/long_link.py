@@ -19,7 +19,6 @@ import fcntl
 import heapq
 import json
 import os
-import re
 import select
 import socket
 import statistics
@@ -30,6 +29,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from handoff_roles import broker_address, timed_call
 
 ROOT = Path(__file__).resolve().parent.parent
 NEAR_ADDRESS, FAR_ADDRESS = "10.231.0.2", "10.231.0.1"  # inside the namespaces this script makes, nowhere else
@@ -122,28 +123,12 @@ def _ip(*arguments: str) -> None:
 
 
 def role(side: str, target: str, handoff_id: str, settings: str, mib: str) -> None:
-    """A pusher or a puller process: prints the seconds its call took."""
-    import numpy as np
-
+    """A pusher or a puller process: prints the seconds its call took (a pull's bytes checked after)."""
     from handoff_client import HandoffClient, tune_allocator
 
     tune_allocator()
-    rows = int(mib) * 256
     with HandoffClient(target, timeout=300, **json.loads(settings)) as client:
-        if side == "push":
-            array = np.random.default_rng(1).integers(0, 1 << 30, (rows, 1024), dtype=np.int32).view(np.float32)
-            started = time.perf_counter()
-            client.push("long-link", handoff_id, 1, {"k": array})
-        else:
-            into = {"k": np.ones((rows, 1024), np.float32)}
-            started = time.perf_counter()
-            client.pull("long-link", handoff_id, into=into)
-            elapsed = time.perf_counter() - started
-            expected = np.random.default_rng(1).integers(0, 1 << 30, (rows, 1024), dtype=np.int32).view(np.float32)
-            assert np.array_equal(into["k"].view(np.int32), expected.view(np.int32)), "the pull's bytes differ"
-            print(elapsed)
-            return
-        print(time.perf_counter() - started)
+        print(timed_call(client, "long-link", side, handoff_id, int(mib), verify=True))
 
 
 def raw(side: str, mib: str) -> None:
@@ -210,7 +195,7 @@ def main() -> int:
                               str(max(1, args.connections)), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               text=True)  # fmt: skip
             try:
-                target = _address(broker)
+                target = broker_address(broker)
                 for run in range(args.runs):
                     seconds["raw TCP, 1 connection"].append(_raw(link, args.mib))
                     for name, settings in paths.items():
@@ -233,14 +218,6 @@ def main() -> int:
     return 0
 
 
-def _address(process: subprocess.Popen) -> str:
-    line = process.stdout.readline()
-    match = re.search(r"listening on (\S+);", line)
-    if match is None:
-        raise RuntimeError(f"the broker did not start: {line!r}")
-    return match.group(1)
-
-
 def _role(link: Link, namespace: str, side: str, target: str, key: str, settings: dict, mib: int) -> float:
     process = link.run(namespace, sys.executable, __file__, "role", side, target, key, json.dumps(settings), str(mib),
                        stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -254,7 +231,8 @@ def _raw(link: Link, mib: int) -> float:
     server = link.run(link.near, sys.executable, __file__, "raw", "serve", str(mib), stdout=subprocess.PIPE, text=True)
     try:
         server.stdout.readline()  # ready
-        client = link.run(link.far, sys.executable, __file__, "raw", "pull", str(mib), stdout=subprocess.PIPE, text=True)
+        client = link.run(link.far, sys.executable, __file__, "raw", "pull", str(mib), stdout=subprocess.PIPE,
+                          text=True)  # fmt: skip
         out, _ = client.communicate(timeout=600)
         return float(out.strip().splitlines()[-1])
     finally:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from handoff_roles import broker_address, timed_call
 
 ROOT = Path(__file__).resolve().parent.parent
 PATHS = {  # name: (broker, client settings)
@@ -31,23 +31,12 @@ PATHS = {  # name: (broker, client settings)
 
 def role(target: str, ca_file: str, side: str, handoff_id: str, settings: str, mib: str) -> None:
     """A pusher or a puller process: prints the seconds its call took."""
-    import numpy as np
-
     from handoff_client import HandoffClient, tune_allocator
 
     tune_allocator()
     tls = {"tls_root_certificates": Path(ca_file).read_bytes(), "tls_server_name": "localhost"} if ca_file else {}
     with HandoffClient(target, timeout=120, **tls, **json.loads(settings)) as client:
-        rows = int(mib) * 256
-        if side == "push":
-            array = np.random.default_rng(1).integers(0, 1 << 30, (rows, 1024), dtype=np.int32).view(np.float32)
-            started = time.perf_counter()
-            client.push("tls-bench", handoff_id, 1, {"k": array})
-        else:
-            into = {"k": np.ones((rows, 1024), np.float32)}
-            started = time.perf_counter()
-            client.pull("tls-bench", handoff_id, into=into)
-        print(time.perf_counter() - started)
+        print(timed_call(client, "tls-bench", side, handoff_id, int(mib)))
 
 
 def main() -> int:
@@ -74,7 +63,7 @@ def main() -> int:
         brokers = {"plain": _serve(work, []), "tls": _serve(work, ["--tls-cert", str(work / "cert.pem"),
                                                                    "--tls-key", str(work / "key.pem")])}  # fmt: skip
         try:
-            targets = {kind: _address(process) for kind, process in brokers.items()}
+            targets = {kind: broker_address(process) for kind, process in brokers.items()}
             seconds: dict[str, list[float]] = {name: [] for name in PATHS}
             for run in range(args.runs):
                 for name, (kind, settings) in PATHS.items():
@@ -99,14 +88,6 @@ def _serve(work: Path, tls: list[str]) -> subprocess.Popen:
     command = [sys.executable, "-m", "handoff_broker", "serve", "--contracts", str(work / "manifests"), "--port", "0",
                "--metrics-port", "-1", "--max-bytes", "2GiB", *tls]  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-
-def _address(process: subprocess.Popen) -> str:
-    line = process.stdout.readline()
-    match = re.search(r"listening on (\S+);", line)
-    if match is None:
-        raise RuntimeError(f"the broker did not start: {line!r}")
-    return match.group(1)
 
 
 def _role(target: str, ca_file: str, side: str, key: str, settings: dict, mib: int) -> float:
