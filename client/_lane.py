@@ -48,6 +48,12 @@ READY_POLL = 0.05  # seconds between looks at the call while waiting for READY
 INFO = "handoff lane v1 "  # what every key and value derived from a capability is derived for begins so
 MAX_CONNECTIONS = 16  # the most connections one call's TCP lane may be striped over
 DEFAULT_MAX_CONNECTIONS = 8  # what a broker allows unless told otherwise (--lane-max-connections)
+# The smallest hand-off a broker moves on each lane unless told otherwise (--lane-min-bytes,
+# --shared-memory-lane-min-bytes), as benchmarks/lane_crossover.py measured: below 1 MiB opening a connection costs
+# more than the TCP lane saves; below 16 MiB a client on the broker's host is better off on the TCP lane than on
+# the shared-memory one, whose ring and descriptor cost more a call (about even at 16 MiB, faster from there).
+DEFAULT_LANE_MIN_BYTES = 1 << 20
+DEFAULT_SHM_LANE_MIN_BYTES = 16 << 20
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from handoff_client._allocator import trim, tune_allocator
 from handoff_client._client import MAX_MESSAGE_BYTES
 from handoff_client._contract import Contract
-from handoff_client._lane import DEFAULT_MAX_CONNECTIONS
+from handoff_client._lane import DEFAULT_LANE_MIN_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_SHM_LANE_MIN_BYTES
 from handoff_client._wire import SERVICE_NAME
 from prometheus_client import CollectorRegistry
 
@@ -46,10 +46,6 @@ ALLOCATOR_ARENAS = 1
 """glibc arenas for the whole broker: one heap, so the pages freed by any thread serve the next frame of any other,
 and trimming it when the broker goes idle hands back everything (measured: with more arenas, tens of MiB stayed)."""
 DEFAULT_WORKERS = 256
-DEFAULT_LANE_MIN_BYTES = 1 << 20
-# Below this a client on the broker's host takes the TCP lane rather than the shared-memory one, whose ring and
-# descriptor cost more per call (benchmarks/lane_crossover.py: about even at 16 MiB, faster from there).
-DEFAULT_SHM_LANE_MIN_BYTES = 16 << 20
 """Below this a hand-off goes on the stream: opening a lane's connection costs more than the lane saves."""
 """Threads serving calls: each open stream, and each pull waiting for its push, holds one."""
 

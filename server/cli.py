@@ -13,7 +13,12 @@ import tomllib
 from collections.abc import Callable
 
 from handoff_client._errors import ManifestError
-from handoff_client._lane import DEFAULT_MAX_CONNECTIONS, MAX_CONNECTIONS
+from handoff_client._lane import (
+    DEFAULT_LANE_MIN_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_SHM_LANE_MIN_BYTES,
+    MAX_CONNECTIONS,
+)
 
 from . import commands
 
@@ -192,9 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lane-port", type=int, default=0, help="the TCP lane's port (0: any free one)")
     serve.add_argument("--lane-advertise-host", default="",
                        help="the host clients open lanes to (default: the one they reached the broker at)")  # fmt: skip
-    serve.add_argument("--lane-min-bytes", type=_parse_bytes, default=1 << 20,
-                       help="the smallest hand-off moved on the TCP lane; smaller ones stay on the streams (1MiB)")  # fmt: skip
-    serve.add_argument("--shared-memory-lane-min-bytes", type=_parse_bytes, default=16 << 20,
+    serve.add_argument("--lane-min-bytes", type=_parse_bytes, default=DEFAULT_LANE_MIN_BYTES,
+                       help="the smallest hand-off moved on the TCP lane; smaller ones stay on the streams "
+                       "(1MiB)")  # fmt: skip
+    serve.add_argument("--shared-memory-lane-min-bytes", type=_parse_bytes, default=DEFAULT_SHM_LANE_MIN_BYTES,
                        help="the smallest hand-off moved on the shared-memory lane; a smaller one from this host "
                        "takes the TCP lane (16MiB)")  # fmt: skip
     serve.add_argument("--lane-max-connections", type=_connections, default=DEFAULT_MAX_CONNECTIONS,
