@@ -192,8 +192,8 @@ class LaneListener:
         with self._lock:
             if self._expected.get(waiting.capability) is waiting:
                 del self._expected[waiting.capability]
-            self._sealed_openings.pop(waiting.sealed_opening, None)
             self._void(waiting.capability)
+            self._forget_sealed_opening(waiting)
             waiting.closed = True
             sock, waiting.sock = waiting.sock, None
         self._wake()  # an opening that presented it is closed at once
@@ -205,6 +205,12 @@ class LaneListener:
         self._voided[capability] = None
         while len(self._voided) > VOIDED_REMEMBERED:
             self._voided.popitem(last=False)
+
+    def _forget_sealed_opening(self, waiting: Expected) -> None:
+        """Under the lock: the sealed opening of a capability just voided opens nothing again, and is closed at once."""
+        if waiting.sealed_opening:
+            self._sealed_openings.pop(waiting.sealed_opening, None)
+            self._void(waiting.sealed_opening)
 
     def _wake(self) -> None:
         try:
@@ -273,17 +279,20 @@ class LaneListener:
                 if now >= opening.deadline:
                     self._drop(selector, opening, "presented no capability in time")
                 continue
-            capability = opening.capability
+            presented = opening.capability
             with self._lock:
-                if capability is not None and self.sealed and opening.sock.family != socket.AF_UNIX:
+                void = presented is None or presented in self._voided
+                capability = presented
+                if presented is not None and self.sealed and opening.sock.family != socket.AF_UNIX:
                     # A sealed TCP lane opens with the capability's derived opening; the capability itself, which
-                    # keys its frames, must never cross the network, and opens nothing there.
-                    capability = self._sealed_openings.pop(capability, None)
+                    # keys its frames, must never cross the network, and opens nothing there. An opening whose call
+                    # has not registered it yet waits, as a plain one does.
+                    capability = self._sealed_openings.get(presented)
+                    void = void or presented in self._expected
                 waiting = self._expected.pop(capability, None) if capability is not None else None
-                void = capability is None or capability in self._voided
                 if waiting is not None and not waiting.closed:
                     self._void(waiting.capability)  # single-use: a second connection presenting it is refused at once
-                    self._sealed_openings.pop(waiting.sealed_opening, None)
+                    self._forget_sealed_opening(waiting)
                     del self._openings[opening.sock]
                     opening.sock.setblocking(True)
                     if opening.sock.family != socket.AF_UNIX:
