@@ -4,10 +4,10 @@ no-op).
 grpcio hands every received message to Python as a new `bytes` object, so a stream of 1 MiB chunks is a stream of
 1 MiB allocations and frees. With glibc's defaults each one is either an mmap of its own (until a large free raises
 the mmap threshold) or comes from the top of a heap that is trimmed back to the system as soon as a few MiB lie free
-there; either way the pages are faulted in and zeroed again for the next message. Measured on a 2-core VM (benchmarks/bench.py): page faults
-were 10-15 % of the broker's CPU on a push and a third of a decoder's CPU on a pull. A fixed mmap threshold above the
-chunk size and a trim threshold of tens of megabytes keep those pages mapped and reused: the broker's CPU per GiB
-received fell ~15 % and a puller's ~30 %.
+there; either way the pages are faulted in and zeroed again for the next message. Measured on a 2-core VM
+(benchmarks/bench.py): page faults were 10-15 % of the broker's CPU on a push and a third of a decoder's CPU on a
+pull. A fixed mmap threshold above the chunk size and a trim threshold of tens of megabytes keep those pages mapped
+and reused: the broker's CPU per GiB received fell ~15 % and a puller's ~30 %.
 
 The cost is the freed memory each arena keeps (`keep`, TRIM_THRESHOLD unless told); `trim()` hands it back. The
 broker keeps up to its --max-bytes, so the pages a confirmed hand-off leaves serve the next push instead of being

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -38,13 +38,13 @@ from ._calls import (
     retryable_push,
 )
 from ._contract import Contract, Handoff, cut_to_filled
-from ._errors import FingerprintMismatch, HandoffError, LaneBroken, UnknownHandoff, from_rpc_error
+from ._errors import FingerprintMismatch, HandoffError, from_rpc_error
 from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
-from ._frames import crc32c, encode_chunk
-from ._lane import MAX_CONNECTIONS, LaneClosed, LaneUnreachable, new_capability
-from ._lane_choice import choose, connections_for, describe, open_frames
+from ._lane import MAX_CONNECTIONS, new_capability
+from ._lane_choice import choose, connections_for
 from ._proto import handoff_pb2 as pb
 from ._pulls import PullAttempts, PulledTensors, destinations
+from ._pushes import PushAttempts
 from ._shards import Shard, as_shard, view
 from ._wire import contract_from_proto, decode_pull_response, identity, message_classes, method_path, shard_to_proto
 
@@ -66,8 +66,6 @@ DEFAULT_TIMEOUT = 60.0
 """Seconds a call may take, end to end, unless the caller says otherwise."""
 
 T = TypeVar("T")
-Held = dict[str, list[tuple[int, int]]] | None
-"""Byte ranges of each tensor the broker already holds of a push being resumed (None: a whole push)."""
 
 
 @dataclass(frozen=True)
@@ -229,41 +227,9 @@ class HandoffClient:
         part = as_shard(model, shard)
         contract = view(self.get_contract(model).at(position), part, pushing=True)
         handoff = contract.take(position, cut_to_filled(contract, tensors))
-
-        def header(resume: bool, lane_capability: bytes = b"", lane_connections: int = 0) -> bytes:
-            message = pb.PushHeader(
-                model=model,
-                handoff_id=handoff_id,
-                position=position,
-                fingerprint=contract.fingerprint,
-                ttl_seconds=ttl or 0.0,
-                no_wait=not wait_for_room,
-                resumable=resumable,
-                resume=resume,
-                shard=shard_to_proto(part),
-                lane_capability=lane_capability,
-                lane_connections=lane_connections,
-            )
-            return pb.PushRequest(header=message).SerializeToString()
-
-        attempts, lane_broke = [0], [False]
-
-        def attempt(remaining: float) -> pb.PushResponse:
-            attempts[0] += 1
-            held = self._held(model, handoff_id, remaining, part) if resumable and attempts[0] > 1 else None
-            lane = None if lane_broke[0] else self.lane(contract.nbytes)
-            if lane is None:
-                frames = self._push_frames(contract, header(resume=held is not None), handoff, held)
-                return self._call(self._push, frames, remaining)
-            capability, connections = new_capability(), connections_for(lane, self.lane_connections)
-            try:
-                return self._push_on_lane(lane, capability, connections, header(held is not None, capability,
-                                          connections), contract, handoff, held, remaining)  # fmt: skip
-            except LaneBroken:
-                lane_broke[0] = True  # the retry goes on the stream
-                raise
-
-        response = self._with_retries(attempt, retryable_push, timeout)
+        attempts = PushAttempts(self, contract, handoff_id, handoff, part, ttl=ttl, wait_for_room=wait_for_room,
+                                resumable=resumable)  # fmt: skip
+        response = self._with_retries(attempts.run, retryable_push, timeout)
         ticket = make_ticket(self.target, model, handoff_id, contract.fingerprint)
         return PushResult(
             response.handoff_id, response.bytes, response.chunks, response.digest, response.duplicate, ticket
@@ -282,60 +248,6 @@ class HandoffClient:
             model=model, handoff_id=handoff_id, shard=shard_to_proto(as_shard(model, shard))
         )
         return self._call(self._progress, request, timeout)
-
-    def _held(
-        self, model: str, handoff_id: str, timeout: float, shard: Shard
-    ) -> dict[str, list[tuple[int, int]]] | None:
-        """What the broker kept of our broken push, or None when there is nothing to resume (push it whole)."""
-        try:
-            progress = self.push_progress(model, handoff_id, timeout=timeout, shard=shard)
-        except UnknownHandoff:
-            return None
-        if progress.complete:
-            return None  # it committed after all: a whole repeat is recognised byte for byte and changes nothing
-        return {t.tensor: [(r.offset, r.length) for r in t.received] for t in progress.tensors}
-
-    def _push_frames(self, contract: Contract, header: bytes, handoff: Handoff, held: Held) -> Iterator[bytes]:
-        yield header
-        for _, name, offset, data in self._chunks(contract, handoff, held):
-            yield encode_chunk(name, offset, data)
-
-    def _push_on_lane(
-        self, lane: pb.Lane, capability: bytes, connections: int, header: bytes, contract: Contract, handoff: Handoff,
-        held: Held, timeout: float,
-    ) -> pb.PushResponse:  # fmt: skip
-        """The push's header on the stream and its chunks on the lane; the broker's answer on the stream."""
-        call = self._push.future(iter((header,)), timeout=timeout, metadata=self._metadata)
-        try:
-            frames = open_frames(lane, self.target, capability, timeout, "push", call.done, connections)
-        except LaneUnreachable as e:
-            call.cancel()
-            self._lane_unreachable(lane)
-            raise LaneBroken(contract.model, f"{describe(lane, self.target)}: {e}") from None
-        except (LaneClosed, OSError):
-            frames = None  # the broker closed it: the call says why
-        if frames is not None:
-            try:
-                for index, _, offset, data in self._chunks(contract, handoff, held):
-                    frames.send(index, offset, data, crc32c(data))
-                frames.end()
-            except OSError:
-                pass  # the broker ended the lane: the call says why
-            finally:
-                frames.close()
-        try:
-            return call.result()
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-
-    def _chunks(self, contract: Contract, handoff: Handoff, held: Held) -> Iterator[tuple[int, str, int, memoryview]]:
-        """(tensor index, name, offset, bytes) of each chunk to send: every `chunk_bytes` of what `held` leaves out."""
-        for index, carried in enumerate(contract.carried):
-            array = np.ascontiguousarray(handoff.state[carried.name])
-            payload = memoryview(array.reshape(-1).view(np.uint8))
-            for start, end in _missing(carried.nbytes, (held or {}).get(carried.name, [])):
-                for offset in range(start, end, self.chunk_bytes):
-                    yield index, carried.name, offset, payload[offset : min(offset + self.chunk_bytes, end)]
 
     def lane(self, nbytes: int | None = None) -> pb.Lane | None:
         """The lane a hand-off of `nbytes` takes (None: whichever a large one would), or None for the streams: the
@@ -472,14 +384,3 @@ class HandoffClient:
                     raise
                 logger.info("retrying in %.3f s after %s: %s", delay, type(e).__name__, e.message)
                 time.sleep(delay)
-
-
-def _missing(size: int, held: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
-    """The [start, end) ranges of [0, size) that the sorted, disjoint `held` (offset, length) ranges leave out."""
-    at = 0
-    for offset, length in held:
-        if offset > at:
-            yield at, offset
-        at = max(at, offset + length)
-    if at < size:
-        yield at, size

@@ -21,12 +21,12 @@ import logging
 import socket
 import threading
 import time
-from urllib.parse import urlparse
 from collections.abc import Callable
 from typing import TypeVar
+from urllib.parse import urlparse
 
-from ._etcd import list_values
 from ._errors import BrokerUnavailable, HandoffError, MalformedRequest, WaitTimedOut
+from ._etcd import list_values
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import grpc
 from grpc_status import rpc_status
-
 from handoff_client._contract import ManifestError
 from handoff_client._errors import HandoffError, PermissionDenied, Unauthenticated, to_status
 from handoff_client._wire import SERVICE, SERVICE_NAME

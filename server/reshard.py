@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-
 from handoff_client._client import DEFAULT_CHUNK_BYTES
 from handoff_client._contract import Contract
 from handoff_client._frames import decode_chunk, encode_chunk, handoff_digest

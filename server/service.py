@@ -24,11 +24,7 @@ from handoff_client._errors import (
 )
 from handoff_client._frames import ChunkFrame
 from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import (
-    Malformed,
-    contract_to_proto,
-    shard_from_proto,
-)
+from handoff_client._wire import Malformed, contract_to_proto, shard_from_proto
 
 from .admission import Admission
 from .auth import authorize_model, may_see
@@ -45,7 +41,7 @@ from .lanes import LaneListener
 from .metrics import Metrics
 from .rpc import mapped, mapped_stream
 from .store import Claim, Store
-from .watchdog import Watch, Watchdog
+from .watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +116,7 @@ class HandoffBrokerServicer:
         with self.admission.streams.take():
             watch = self.watchdog.watch(context.cancel)
             try:
-                return self._push(_watched(requests, watch, self.idle_timeout), context)
+                return self._push(watch.messages(requests, self.idle_timeout), context)
             finally:
                 watch.close()
 
@@ -213,9 +209,8 @@ class HandoffBrokerServicer:
             self.metrics.lane_bytes.labels(model, "push", lane.kind).inc(result.bytes)
         self.metrics.push_seconds.labels(model).observe(elapsed)
         logger.info(
-            "push %s/%s %s: %d bytes in %d chunks%s, %.1f ms",
-            header.model, header.handoff_id, outcome, result.bytes, result.chunks, f" on its {lane.kind} lane" if lane else "",
-            elapsed * 1000,
+            "push %s/%s %s: %d bytes in %d chunks%s, %.1f ms", header.model, header.handoff_id, outcome,
+            result.bytes, result.chunks, f" on its {lane.kind} lane" if lane else "", elapsed * 1000,
         )  # fmt: skip
         return pb.PushResponse(
             handoff_id=header.handoff_id,
@@ -377,19 +372,6 @@ class HandoffBrokerServicer:
             if held
         ]
         return pb.PushProgress(tensors=tensors, complete=committed, position=position)
-
-
-def _watched(requests: Iterator[object], watch: Watch, idle: float) -> Iterator[object]:
-    """The call's messages, its watch armed for `idle` seconds while each is awaited."""
-    while True:
-        watch.arm(idle)
-        try:
-            message = next(requests)
-        except StopIteration:
-            return
-        finally:
-            watch.disarm()
-        yield message
 
 
 class _Progress:

@@ -12,7 +12,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class Watch:
@@ -37,6 +37,18 @@ class Watch:
         may outlive the call by up to its deadline; it must not keep the call's state alive that long)."""
         self._watchdog._disarm(self)
         self.action = None
+
+    def messages(self, requests: Iterator[object], idle: float) -> Iterator[object]:
+        """A call's messages, the watch armed for `idle` seconds while each is awaited."""
+        while True:
+            self.arm(idle)
+            try:
+                message = next(requests)
+            except StopIteration:
+                return
+            finally:
+                self.disarm()
+            yield message
 
 
 class Watchdog:

@@ -390,12 +390,12 @@ def test_resuming_a_push_that_is_not_kept_is_refused_so_the_client_pushes_it_who
 
 
 def test_the_bytes_a_resume_sends_are_exactly_those_not_held():
-    from handoff_client._client import _missing
+    from handoff_client._pushes import missing
 
-    assert list(_missing(10, [])) == [(0, 10)]
-    assert list(_missing(10, [(0, 10)])) == []
-    assert list(_missing(10, [(2, 3), (7, 1)])) == [(0, 2), (5, 7), (8, 10)]
-    assert list(_missing(10, [(0, 4), (4, 2)])) == [(6, 10)]
+    assert list(missing(10, [])) == [(0, 10)]
+    assert list(missing(10, [(0, 10)])) == []
+    assert list(missing(10, [(2, 3), (7, 1)])) == [(0, 2), (5, 7), (8, 10)]
+    assert list(missing(10, [(0, 4), (4, 2)])) == [(6, 10)]
 
 
 def test_a_pull_whose_connection_breaks_is_retried_and_gets_the_whole_hand_off(broker, client, contracts):

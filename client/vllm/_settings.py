@@ -66,7 +66,9 @@ class ConnectorSettings:
 
     def client_options(self) -> dict[str, Any]:
         """HandoffClient's keyword arguments for these settings."""
-        read = lambda path: Path(path).read_bytes() if path else None
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
         token = Path(self.token_file).read_text().strip() if self.token_file else None
         return {
             "timeout": self.timeout,

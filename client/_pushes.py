@@ -1,0 +1,149 @@
+"""The prefill side's sending: a push's attempts — each on the broker's lane if it offers one for the hand-off's size,
+else on the stream; after a lane breaks, on the stream; after a resumable push breaks, only what the broker did not
+keep — and the chunks each attempt sends."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from ._contract import Contract, Handoff
+from ._errors import LaneBroken, UnknownHandoff, from_rpc_error
+from ._frames import crc32c, encode_chunk
+from ._lane import LaneClosed, LaneUnreachable, new_capability
+from ._lane_choice import connections_for, describe, open_frames
+from ._proto import handoff_pb2 as pb
+from ._shards import Shard
+from ._wire import shard_to_proto
+
+if TYPE_CHECKING:
+    from ._client import HandoffClient
+
+Held = dict[str, list[tuple[int, int]]] | None
+"""Byte ranges of each tensor the broker already holds of a push being resumed (None: a whole push)."""
+
+
+class PushAttempts:
+    """Successive attempts at one push of `handoff` (already checked against `contract`, the pushing rank's view)."""
+
+    def __init__(
+        self,
+        client: HandoffClient,
+        contract: Contract,
+        handoff_id: str,
+        handoff: Handoff,
+        shard: Shard,
+        *,
+        ttl: float | None,
+        wait_for_room: bool,
+        resumable: bool,
+    ) -> None:
+        self.client = client
+        self.contract = contract
+        self.handoff_id = handoff_id
+        self.handoff = handoff
+        self.shard = shard
+        self.ttl = ttl
+        self.wait_for_room = wait_for_room
+        self.resumable = resumable
+        self.attempts = 0
+        self.lanes = True  # until a lane breaks: the retries then go on the stream
+
+    def run(self, timeout: float) -> pb.PushResponse:
+        self.attempts += 1
+        held = self._held(timeout) if self.resumable and self.attempts > 1 else None
+        lane = self.client.lane(self.contract.nbytes) if self.lanes else None
+        if lane is None:
+            frames = self._stream_frames(self._header(held is not None), held)
+            return self.client._call(self.client._push, frames, timeout)
+        capability, connections = new_capability(), connections_for(lane, self.client.lane_connections)
+        try:
+            return self._on_lane(lane, capability, connections, held, timeout)
+        except LaneBroken:
+            self.lanes = False
+            raise
+
+    def _header(self, resume: bool, lane_capability: bytes = b"", lane_connections: int = 0) -> bytes:
+        message = pb.PushHeader(
+            model=self.contract.model,
+            handoff_id=self.handoff_id,
+            position=self.handoff.position,
+            fingerprint=self.contract.fingerprint,
+            ttl_seconds=self.ttl or 0.0,
+            no_wait=not self.wait_for_room,
+            resumable=self.resumable,
+            resume=resume,
+            shard=shard_to_proto(self.shard),
+            lane_capability=lane_capability,
+            lane_connections=lane_connections,
+        )
+        return pb.PushRequest(header=message).SerializeToString()
+
+    def _held(self, timeout: float) -> Held:
+        """What the broker kept of our broken push, or None when there is nothing to resume (push it whole)."""
+        try:
+            progress = self.client.push_progress(self.contract.model, self.handoff_id, timeout=timeout,
+                                                 shard=self.shard)  # fmt: skip
+        except UnknownHandoff:
+            return None
+        if progress.complete:
+            return None  # it committed after all: a whole repeat is recognised byte for byte and changes nothing
+        return {t.tensor: [(r.offset, r.length) for r in t.received] for t in progress.tensors}
+
+    def _stream_frames(self, header: bytes, held: Held) -> Iterator[bytes]:
+        yield header
+        for _, name, offset, data in self._chunks(held):
+            yield encode_chunk(name, offset, data)
+
+    def _on_lane(
+        self, lane: pb.Lane, capability: bytes, connections: int, held: Held, timeout: float
+    ) -> pb.PushResponse:
+        """The push's header on the stream and its chunks on the lane; the broker's answer on the stream."""
+        client = self.client
+        header = self._header(held is not None, capability, connections)
+        call = client._push.future(iter((header,)), timeout=timeout, metadata=client._metadata)
+        try:
+            frames = open_frames(lane, client.target, capability, timeout, "push", call.done, connections)
+        except LaneUnreachable as e:
+            call.cancel()
+            client._lane_unreachable(lane)
+            raise LaneBroken(self.contract.model, f"{describe(lane, client.target)}: {e}") from None
+        except (LaneClosed, OSError):
+            frames = None  # the broker closed it: the call says why
+        if frames is not None:
+            try:
+                for index, _, offset, data in self._chunks(held):
+                    frames.send(index, offset, data, crc32c(data))
+                frames.end()
+            except OSError:
+                pass  # the broker ended the lane: the call says why
+            finally:
+                frames.close()
+        try:
+            return call.result()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def _chunks(self, held: Held) -> Iterator[tuple[int, str, int, memoryview]]:
+        """(tensor index, name, offset, bytes) of each chunk to send: every `chunk_bytes` of what `held` leaves out."""
+        size = self.client.chunk_bytes
+        for index, carried in enumerate(self.contract.carried):
+            array = np.ascontiguousarray(self.handoff.state[carried.name])
+            payload = memoryview(array.reshape(-1).view(np.uint8))
+            for start, end in missing(carried.nbytes, (held or {}).get(carried.name, [])):
+                for offset in range(start, end, size):
+                    yield index, carried.name, offset, payload[offset : min(offset + size, end)]
+
+
+def missing(size: int, held: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """The [start, end) ranges of [0, size) that the sorted, disjoint `held` (offset, length) ranges leave out."""
+    at = 0
+    for offset, length in held:
+        if offset > at:
+            yield at, offset
+        at = max(at, offset + length)
+    if at < size:
+        yield at, size
