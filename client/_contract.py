@@ -88,7 +88,7 @@ class Carried:
     def values(self) -> int:
         return self.rows * self.cols
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.values * self.numpy_dtype.itemsize
 
@@ -125,7 +125,7 @@ class Contract:
         canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes of one hand-off: what a push reserves."""
         return sum(c.nbytes for c in self.carried)
