@@ -3,6 +3,7 @@ the TCP lane, and only for a hand-off of at least the lane's `min_bytes` (docs/l
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from functools import cache
 
@@ -10,6 +11,8 @@ from ._lane import Frames, StripedFrames, TcpFrames, connection_capabilities, la
 from ._proto import handoff_pb2 as pb
 from ._ring import host_id, open_ring_lane
 from ._seal import SealedFrames, sealed_opening, sealing_available
+
+logger = logging.getLogger(__name__)
 
 
 @cache
@@ -73,3 +76,12 @@ def describe(lane: pb.Lane, target: str) -> str:
         return f"the shared-memory lane at {lane.path}"
     sealed = " (sealed)" if lane.sealing != pb.LANE_SEALING_NONE else ""
     return f"the TCP lane{sealed} at {lane_host(lane.host, target)}:{lane.port}"
+
+
+def fell_back(direction: str, error: Exception) -> None:
+    """Say that a call's lane broke and that its retries go on the gRPC stream: a WARNING, since a call on the stream
+    still succeeds but moves its bytes at the streams' rate, and lanes that keep breaking (a firewall on the lane's
+    port, a proxy in front of the broker) would otherwise cost throughput unseen. The record carries
+    `lane_fallback=True` for a handler (or a test) to pick out."""
+    logger.warning("the %s's lane broke (%s); its retries go on the gRPC stream", direction, error,
+                   extra={"lane_fallback": True})  # fmt: skip

@@ -26,7 +26,7 @@ from ._errors import (
 )
 from ._frames import ChunkFrame, crc32c, handoff_digest
 from ._lane import LaneUnreachable
-from ._lane_choice import describe, open_frames
+from ._lane_choice import describe, fell_back, open_frames
 from ._proto import handoff_pb2 as pb
 from ._shards import Shard, view
 from ._wire import shard_to_proto
@@ -85,7 +85,9 @@ class PullAttempts:
             return tensors.handoff
         except HandoffError as e:
             self.broke = self.broke or retryable_pull(e)
-            self.lanes = self.lanes and not isinstance(e, LaneBroken)
+            if self.lanes and isinstance(e, LaneBroken):
+                self.lanes = False
+                fell_back("pull", e)
             raise
         finally:
             self.claim = tensors.claim or self.claim

@@ -14,7 +14,7 @@ from ._contract import Contract, Handoff
 from ._errors import LaneBroken, UnknownHandoff, from_rpc_error
 from ._frames import crc32c, encode_chunk
 from ._lane import LaneClosed, LaneUnreachable, new_capability
-from ._lane_choice import connections_for, describe, open_frames
+from ._lane_choice import connections_for, describe, fell_back, open_frames
 from ._proto import handoff_pb2 as pb
 from ._shards import Shard
 from ._wire import shard_to_proto
@@ -62,8 +62,9 @@ class PushAttempts:
         capability, connections = new_capability(), connections_for(lane, self.client.lane_connections)
         try:
             return self._on_lane(lane, capability, connections, held, timeout)
-        except LaneBroken:
+        except LaneBroken as e:
             self.lanes = False
+            fell_back("push", e)
             raise
 
     def _header(self, resume: bool, lane_capability: bytes = b"", lane_connections: int = 0) -> bytes:

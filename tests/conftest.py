@@ -29,7 +29,7 @@ PATHS: dict[str, dict[str, object]] = {
 }
 """The paths a hand-off's bytes can take. A test module that sets `EVERY_PATH = True` runs each of its tests once on
 each of "stream", "tcp" and "shm" (the brokers it starts serve that path), so each lane keeps every promise the
-stream makes."""
+stream makes; on a lane's path a call that fell back to the stream fails its test (`stays_on_its_lane`)."""
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -40,6 +40,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture
 def path() -> str:
     return "default"
+
+
+@pytest.fixture(autouse=True)
+def stays_on_its_lane(request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """On a lane's path, a test fails if any of its calls fell back to the stream (the client's `lane_fallback`
+    warning): a lane that broke would otherwise pass unseen, the client's retry on the stream delivering the same
+    bits. A test that breaks a lane on purpose is marked `lane_may_break`."""
+    yield
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("path") not in ("tcp", "shm"):
+        return
+    if request.node.get_closest_marker("lane_may_break") is None:
+        records = caplog.get_records("setup") + caplog.get_records("call")
+        fallbacks = [r.getMessage() for r in records if getattr(r, "lane_fallback", False)]
+        assert not fallbacks, f"a call left its lane for the stream: {fallbacks}"
 
 
 @pytest.fixture

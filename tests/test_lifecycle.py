@@ -36,6 +36,7 @@ from proxy import Proxy
 from support import broker_holds, chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
 from test_claims import wait_until
 
+EVERY_PATH = True  # each test on the gRPC streams, the TCP lane and the shared-memory lane (conftest.PATHS)
 DEMO = "demo-hybrid"  # 4,334,592 bytes a hand-off
 
 

@@ -53,6 +53,7 @@ GEMMA = derive("gemma-3-1b", ctx=1024, layers=6)  # five sliding layers (a ring 
 MISTRAL = derive("mistral-7b-v0.1", ctx=8192, layers=1)  # every layer slides: a ring of 4096 rows in 8192
 QWEN3_NEXT = derive("qwen3-next-80b-a3b", ctx=4096, layers=4)  # three gated-delta layers, then attention
 MODELS = {c.model: c for c in (LLAMA, GEMMA, MISTRAL, QWEN3_NEXT)}
+EVERY_PATH = True  # each test on the gRPC streams, the TCP lane and the shared-memory lane (conftest.PATHS)
 
 
 @pytest.fixture

@@ -138,13 +138,15 @@ def test_the_lanes_socket_admits_only_the_brokers_user(shm_broker):
     assert other.stdout.strip() == "PermissionError", other
 
 
-def test_a_shared_memory_lane_out_of_reach_sends_the_client_to_the_tcp_lane(start_broker, tmp_path):
+def test_a_shared_memory_lane_out_of_reach_sends_the_client_to_the_tcp_lane(start_broker, tmp_path, caplog):
     """As from another container on the same host: the socket's path is not there."""
     broker = start_broker(contracts={"large": LARGE}, lane_socket=str(tmp_path / "lane.sock"))
     tensors = seeded_tensors(LARGE)
     (tmp_path / "lane.sock").unlink()
     with HandoffClient(broker.address) as client:
-        client.push("large", "first", 1, tensors)  # its lane unreachable: retried on the stream
+        client.push("large", "first", 1, tensors)  # its lane unreachable: retried on the stream, and said so
+        [warning] = [r for r in caplog.records if getattr(r, "lane_fallback", False)]
+        assert warning.levelname == "WARNING" and "lane.sock" in warning.getMessage()
         assert client.lane().kind == pb.LANE_KIND_TCP  # and no later call tries it again
         client.push("large", "second", 1, tensors)
         assert_same_bits(client.pull("large", "first").state, tensors)
