@@ -416,10 +416,10 @@ def _tensors(contract, seed: int = 1) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _chunk_bytes() -> int:
-    from handoff_client import DEFAULT_CHUNK_BYTES
-
-    return int(os.environ.get("BENCH_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
+def _chunk_bytes() -> int | None:
+    """--chunk-bytes, or None: the client's own choice for each path."""
+    chosen = os.environ.get("BENCH_CHUNK_BYTES")
+    return int(chosen) if chosen else None
 
 
 def _lanes(path: str) -> dict[str, bool]:

@@ -97,7 +97,7 @@ class HandoffClient:
         self,
         target: str,
         *,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         credentials: grpc.ChannelCredentials | None = None,
         options: tuple[tuple[str, object], ...] = (),
@@ -118,13 +118,16 @@ class HandoffClient:
         (docs/lanes.md), which large hand-offs otherwise take: its shared-memory lane from the broker's own host,
         else its TCP lane; `shared_memory=False` takes the TCP lane even on the broker's host.
         `lane_connections` stripes each call's TCP lane over that many connections (at most the lane's
-        `max_connections`): worth it only on links whose bandwidth-delay product exceeds one TCP window."""
+        `max_connections`): worth it only on links whose bandwidth-delay product exceeds one TCP window.
+        `chunk_bytes` is the bytes a pushed chunk carries, on every path; by default DEFAULT_CHUNK_BYTES on the
+        streams and, on a lane, a sixteenth of the hand-off from that up to 4 MiB (_lane_choice.frame_bytes)."""
         if not 0 < lane_connections <= MAX_CONNECTIONS:
             raise ValueError(f"lane_connections must be in 1..{MAX_CONNECTIONS}, got {lane_connections}")
-        if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
+        if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_MESSAGE_BYTES - 1024}, got {chunk_bytes}")
         self.target = target
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES  # a pushed chunk's bytes on the streams
+        self.chunk_bytes_chosen = chunk_bytes is not None  # ... and on the lanes, else a size for each (frame_bytes)
         self.timeout = timeout
         self.retry = retry
         self.lanes = lanes

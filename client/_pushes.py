@@ -14,7 +14,7 @@ from ._contract import Contract, Handoff
 from ._errors import LaneBroken, UnknownHandoff, from_rpc_error
 from ._frames import crc32c, encode_chunk
 from ._lane import LaneClosed, LaneUnreachable, new_capability
-from ._lane_choice import connections_for, describe, fell_back, open_frames
+from ._lane_choice import connections_for, describe, fell_back, frame_bytes, open_frames
 from ._proto import handoff_pb2 as pb
 from ._shards import Shard
 from ._wire import shard_to_proto
@@ -96,7 +96,7 @@ class PushAttempts:
 
     def _stream_frames(self, header: bytes, held: Held) -> Iterator[bytes]:
         yield header
-        for _, name, offset, data in self._chunks(held):
+        for _, name, offset, data in self._chunks(held, self.client.chunk_bytes):
             yield encode_chunk(name, offset, data)
 
     def _on_lane(
@@ -116,7 +116,10 @@ class PushAttempts:
             frames = None  # the broker closed it: the call says why
         if frames is not None:
             try:
-                for index, _, offset, data in self._chunks(held):
+                size = self.client.chunk_bytes
+                if not self.client.chunk_bytes_chosen:  # (a size the caller chose is kept on every path)
+                    size = frame_bytes(lane, self.contract.nbytes, size)
+                for index, _, offset, data in self._chunks(held, size):
                     frames.send(index, offset, data, crc32c(data))
                 frames.end()
             except OSError:
@@ -128,9 +131,8 @@ class PushAttempts:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
-    def _chunks(self, held: Held) -> Iterator[tuple[int, str, int, memoryview]]:
-        """(tensor index, name, offset, bytes) of each chunk to send: every `chunk_bytes` of what `held` leaves out."""
-        size = self.client.chunk_bytes
+    def _chunks(self, held: Held, size: int) -> Iterator[tuple[int, str, int, memoryview]]:
+        """(tensor index, name, offset, bytes) of each chunk to send: every `size` bytes of what `held` leaves out."""
         for index, carried in enumerate(self.contract.carried):
             array = np.ascontiguousarray(self.handoff.state[carried.name])
             payload = memoryview(array.reshape(-1).view(np.uint8))

@@ -17,6 +17,7 @@ from handoff_client._errors import LaneBroken, MalformedRequest, MessageTooLarge
 from handoff_client._frames import ChunkFrame, chunk_prefix
 from handoff_client._lane import (
     CAPABILITY_BYTES,
+    MAX_LANE_CHUNK,
     READY,
     Frames,
     LaneClosed,
@@ -133,15 +134,19 @@ def check_lane_request(lanes: LaneListener, capability: bytes, connections: int,
     return connections or 1
 
 
-def lane_offers(lanes: LaneListener, tcp_min_bytes: int, shm_min_bytes: int) -> list[pb.Lane]:
-    """The lanes as GetLanes describes them to clients, each with the smallest hand-off it moves."""
+def lane_offers(lanes: LaneListener, tcp_min_bytes: int, shm_min_bytes: int, max_message_bytes: int) -> list[pb.Lane]:
+    """The lanes as GetLanes describes them to clients, each with the smallest hand-off it moves and the longest
+    frame it takes (what `received_chunks` refuses past: the broker's largest message, and the wire's limit)."""
     offers = []
+    max_frame_bytes = min(max_message_bytes, MAX_LANE_CHUNK)
     if lanes.port is not None:
         sealing = pb.LANE_SEALING_AES_256_GCM if lanes.sealed else pb.LANE_SEALING_NONE
         offers.append(pb.Lane(kind=pb.LANE_KIND_TCP, host=lanes.advertise_host, port=lanes.port,
-                              min_bytes=tcp_min_bytes, sealing=sealing, max_connections=lanes.max_connections))  # fmt: skip
+                              min_bytes=tcp_min_bytes, sealing=sealing, max_connections=lanes.max_connections,
+                              max_frame_bytes=max_frame_bytes))  # fmt: skip
     if lanes.socket_path is not None:
-        offers.append(pb.Lane(kind=pb.LANE_KIND_SHM, path=lanes.socket_path, host_id=host_id(), min_bytes=shm_min_bytes))
+        offers.append(pb.Lane(kind=pb.LANE_KIND_SHM, path=lanes.socket_path, host_id=host_id(),
+                              min_bytes=shm_min_bytes, max_frame_bytes=max_frame_bytes))  # fmt: skip
     return offers
 
 

@@ -83,8 +83,8 @@ class HandoffBrokerServicer:
         self.max_message_bytes = max_message_bytes
         self.idle_timeout = idle_timeout
         self.lanes = lanes
-        self.lane_min_bytes = lane_min_bytes  # the TCP lane's; the shared-memory lane's below
-        self.shm_lane_min_bytes = shm_lane_min_bytes
+        # What GetLanes and each pull's header offer: fixed for the broker's life, as its listeners are.
+        self.offers = [] if lanes is None else lane_offers(lanes, lane_min_bytes, shm_lane_min_bytes, max_message_bytes)
 
     def _model_label(self, model: str | None) -> str:
         """A model label from the fixed set served; anything a caller made up is "unknown" (bounded cardinality)."""
@@ -288,8 +288,7 @@ class HandoffBrokerServicer:
             return
         offer = None
         if self.lanes is not None and request.lane_capability:
-            offers = lane_offers(self.lanes, self.lane_min_bytes, self.shm_lane_min_bytes)
-            offer = lane_for_pull(offers, request.lane_kind, claim.nbytes)
+            offer = lane_for_pull(self.offers, request.lane_kind, claim.nbytes)
             if offer is not None:  # registered before the header names it: the client's opening finds it at once
                 lane = LaneCall(self.lanes, request.lane_capability, request.model, request.lane_connections)
                 progress.lane = lane
@@ -356,9 +355,7 @@ class HandoffBrokerServicer:
 
     @mapped
     def GetLanes(self, request: pb.LanesRequest, context: grpc.ServicerContext) -> pb.LanesResponse:
-        if self.lanes is None:
-            return pb.LanesResponse()
-        return pb.LanesResponse(lanes=lane_offers(self.lanes, self.lane_min_bytes, self.shm_lane_min_bytes))
+        return pb.LanesResponse(lanes=self.offers)
 
     @mapped
     def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:

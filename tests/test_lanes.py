@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from certs import Authority
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
-from handoff_client import HandoffClient
+from handoff_client import DEFAULT_CHUNK_BYTES, HandoffClient
 from handoff_client._contract import Carried, Contract
 from handoff_client._errors import CallCancelled, LaneBroken
 from handoff_client._frames import crc32c
@@ -30,6 +30,7 @@ from handoff_client._lane import (
     send_end,
     send_frame,
 )
+from handoff_client._lane_choice import frame_bytes
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._seal import SealedFrames, sealed_opening
 from lane_wire import (
@@ -68,6 +69,42 @@ def test_a_large_hand_off_goes_on_the_lane_both_ways_and_arrives_bit_for_bit(lan
         assert_same_bits(client.pull("large", "r").state, tensors)
     assert lane_bytes(lane_broker, "large", "push") == lane_bytes(lane_broker, "large", "pull") == LARGE.nbytes
     assert_holds_nothing(lane_broker)
+
+
+WIDE = Contract("wide", 2049, 64, tuple(Carried(f"w{i}", i, 2048, 4096, "float32") for i in range(2)))  # 2 x 32 MiB
+
+
+@pytest.mark.parametrize(
+    "lane, max_message_bytes, chunk_bytes, frame",
+    [
+        ("tcp", 64 << 20, None, 4 << 20),  # a sixteenth of the hand-off, at most 4 MiB
+        ("shm", 64 << 20, None, 4 << 20),
+        ("tcp", 2 << 20, None, 2 << 20),  # ... and no more than the lane takes
+        ("tcp", 64 << 20, 1 << 20, 1 << 20),  # a size the caller chose is kept
+    ],
+)
+def test_a_large_hand_off_crosses_a_lane_in_frames_up_to_4_mib_within_the_lanes_limit(
+    start_broker, lane, max_message_bytes, chunk_bytes, frame
+):
+    lanes = TCP_ONLY if lane == "tcp" else {"shared_memory_lane_min_bytes": 1}
+    broker = start_broker(contracts={"wide": WIDE}, max_message_bytes=max_message_bytes, **lanes)
+    tensors = seeded_tensors(WIDE)
+    with HandoffClient(broker.address, chunk_bytes=chunk_bytes) as client:
+        assert client.lane(WIDE.nbytes).max_frame_bytes == max_message_bytes
+        assert client.push("wide", "r", 1, tensors).chunks == WIDE.nbytes // frame
+        assert_same_bits(client.pull("wide", "r").state, tensors)
+    labels = {"model": "wide", "kind": "push", "lane": lane}
+    assert broker.registry.get_sample_value("handoff_lane_bytes_total", labels) == WIDE.nbytes
+
+
+def test_a_lane_frame_is_a_sixteenth_of_the_hand_off_from_the_streams_chunk_up_to_4_mib_and_the_lanes_limit():
+    chunk, MiB = DEFAULT_CHUNK_BYTES, 1 << 20
+    lane = pb.Lane(kind=pb.LANE_KIND_TCP, max_frame_bytes=64 * MiB)
+    assert [frame_bytes(lane, n, chunk) for n in (2 * MiB, 16 * MiB, 32 * MiB, 64 * MiB, 1 << 30)] == [
+        chunk, MiB, 2 * MiB, 4 * MiB, 4 * MiB,
+    ]  # fmt: skip
+    assert frame_bytes(pb.Lane(max_frame_bytes=3 * MiB), 1 << 30, chunk) == 3 * MiB
+    assert frame_bytes(pb.Lane(), 1 << 30, chunk) == chunk  # a broker from before max_frame_bytes
 
 
 def test_a_hand_off_under_the_lanes_floor_and_a_client_without_lanes_use_the_stream(start_broker, contracts):

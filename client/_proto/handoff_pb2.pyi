@@ -333,7 +333,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Lane(_message.Message):
-    __slots__ = ("kind", "host", "port", "min_bytes", "path", "host_id", "sealing", "max_connections")
+    __slots__ = ("kind", "host", "port", "min_bytes", "path", "host_id", "sealing", "max_connections", "max_frame_bytes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +342,7 @@ class Lane(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SEALING_FIELD_NUMBER: _ClassVar[int]
     MAX_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: LaneKind
     host: str
     port: int
@@ -350,7 +351,8 @@ class Lane(_message.Message):
     host_id: str
     sealing: LaneSealing
     max_connections: int
-    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[str] = ..., sealing: _Optional[_Union[LaneSealing, str]] = ..., max_connections: _Optional[int] = ...) -> None: ...
+    max_frame_bytes: int
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[str] = ..., sealing: _Optional[_Union[LaneSealing, str]] = ..., max_connections: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
 
 class LanesRequest(_message.Message):
     __slots__ = ()
