@@ -60,6 +60,28 @@ def test_a_busy_broker_reuses_the_pages_of_confirmed_hand_offs_and_hands_them_ba
         broker.wait(timeout=30)
 
 
+def test_a_broker_reuses_its_pages_for_lane_frames_of_16_mib_too() -> None:
+    """A client may send frames of any size up to the lane's max_frame_bytes; one of 16 MiB (a frame a tensor here)
+    lands in the pages the last hand-off left as a 1 MiB one does (below the allocator's mmap threshold)."""
+    broker, address = start_serving("--contracts", str(MANIFESTS))
+    try:
+        with HandoffClient(address, timeout=30, chunk_bytes=16 * MiB, shared_memory=False) as client:
+            tensors = seeded_tensors(client.get_contract("wide-attention"))  # four tensors of 16 MiB
+            time.sleep(0.5)
+            faults = []
+            for handoff_id in ("cold", "warm"):
+                before, _ = proc_status(broker.pid)
+                assert client.push("wide-attention", handoff_id, 1, tensors).chunks == 4
+                client.pull("wide-attention", handoff_id)
+                faults.append(proc_status(broker.pid)[0] - before)
+        cold, warm = faults
+        print(f"page faults of a 64 MiB push and pull in 16 MiB lane frames: cold {cold}, warm {warm}")
+        assert warm * 4 < cold, faults  # (with an mmap threshold of 8 MiB, as many warm as cold: 2,080 and 2,086)
+    finally:
+        broker.terminate()
+        broker.wait(timeout=30)
+
+
 def pull_faults(broker: Broker, handoff_id: str, allocator: str) -> int:
     """Page faults a decode process takes on its third pull of 64 MiB into arrays it allocated and touched before."""
     worker = subprocess.run(
