@@ -740,6 +740,7 @@ class Bench:
             rows["redis relay"] = []
         extra: dict[str, list] = {"first_layer_fraction": []}
         cpu: dict[str, list] = {path: [] for path in HANDOFF_PATHS}
+        relay_cpu: list[float] = []  # the raw relay's own, per GiB: what forwarding costs in the kernel, checking nothing
         port_file = self.workdir / f"tcp-{label}.port"
         relay = _spawn("tcp-relay", port_file, self.runs)
         tcp_port = _port_from(port_file)
@@ -749,7 +750,9 @@ class Bench:
             rows["memcpy x2"].append(r["t1"] - r["t0"])
             consumer = _spawn("tcp-consumer", tcp_port, nbytes)
             _wait_ready(consumer)
+            before = _cpu_seconds(relay.pid)
             rows["tcp relay"].append(_relay_run(_spawn("tcp-producer", tcp_port, nbytes), consumer, nbytes)["seconds"])
+            relay_cpu.append((_cpu_seconds(relay.pid) - before) / (nbytes / (1 << 30)))
             key = f"{label}-{run}"
             consumer = _spawn("naive-grpc-consumer", self.naive_port, nbytes, key)
             _wait_ready(consumer)
@@ -791,6 +794,7 @@ class Bench:
                 for name, times in rows.items()
             },
             "broker_cpu_s_per_gib": {path: statistics.median(seconds) for path, seconds in cpu.items()},
+            "relay_cpu_s_per_gib": statistics.median(relay_cpu),
             "pipelined_first_layer_at": statistics.median(extra["first_layer_fraction"]),
         }
 
@@ -971,7 +975,8 @@ def report(results: dict) -> str:
         cpu = row["broker_cpu_s_per_gib"]
         lines.append(
             f"  broker CPU, s per GiB moved: {cpu['stream']:.2f} on the streams, {cpu['tcp']:.2f} on the TCP lane, "
-            f"{cpu['shm']:.2f} on the shared-memory lane; pipelined pull had its first tensor at "
+            f"{cpu['shm']:.2f} on the shared-memory lane (the raw TCP relay: {row['relay_cpu_s_per_gib']:.2f}); "
+            f"pipelined pull had its first tensor at "
             f"{100 * row['pipelined_first_layer_at']:.1f}% of the push's duration"
         )
     if "prompts" in results:
