@@ -38,11 +38,11 @@ def choose(offers: Sequence[pb.Lane], nbytes: int | None, shared_memory: bool = 
 
 
 LANE_FRAME_BYTES = 4 << 20
-"""The most bytes one frame of ours carries on a lane, where no gRPC message bounds it. Measured (benchmarks/bench.py
-and lane_crossover.py, 2 vCPUs, pull made before the push): from 1 MiB to 2-6 MiB frames a 256 MiB hand-off moved
-1.2-1.3x faster on the shared-memory lane at two thirds of the broker's CPU, the TCP lane no slower; 8 MiB and more
-fell to a fifth, each frame's buffer then past the allocator's mmap threshold (handoff_client._allocator) and its
-pages faulted in afresh."""
+"""The most bytes one frame of ours carries on a lane, where no gRPC message bounds it. Measured (benchmarks/bench.py's
+pusher, broker and puller, 2 vCPUs, pull made before the push): from 1 MiB to 2-6 MiB frames a 256 MiB hand-off
+moved 1.2-1.3x faster on the shared-memory lane at two thirds of the broker's CPU, the TCP lane no slower. (8 MiB
+frames fell to a fifth while the allocator's mmap threshold was 8 MiB, each frame's pages faulted in afresh; it is
+32 MiB now, handoff_client._allocator.)"""
 
 FRAMES_AT_LEAST = 16
 """A hand-off is cut into at least this many frames where it can be: a frame is forwarded to a pipelined pull only
