@@ -38,11 +38,12 @@ def choose(offers: Sequence[pb.Lane], nbytes: int | None, shared_memory: bool = 
 
 
 LANE_FRAME_BYTES = 4 << 20
-"""The most bytes one frame of ours carries on a lane, where no gRPC message bounds it. Measured (benchmarks/bench.py's
-pusher, broker and puller, 2 vCPUs, pull made before the push): from 1 MiB to 2-6 MiB frames a 256 MiB hand-off
-moved 1.2-1.3x faster on the shared-memory lane at two thirds of the broker's CPU, the TCP lane no slower. (8 MiB
-frames fell to a fifth while the allocator's mmap threshold was 8 MiB, each frame's pages faulted in afresh; it is
-32 MiB now, handoff_client._allocator.)"""
+"""The most bytes one frame of ours carries on the shared-memory lane, where no gRPC message bounds it. Measured
+(benchmarks/bench.py's pusher, broker and puller, 2 vCPUs, pull made before the push): from 1 MiB to 2-6 MiB frames a
+256 MiB hand-off moved 1.2-1.3x faster on that lane at two thirds of the broker's CPU. On the TCP lane larger frames
+bought nothing (the kernel's copies are the same per byte) and cost the sealed lane a fifth of its rate
+(benchmarks/tls_lanes.py), so it keeps the stream's chunk size. (8 MiB frames fell to a fifth while the allocator's
+mmap threshold was 8 MiB, each frame's pages faulted in afresh; it is 32 MiB now, handoff_client._allocator.)"""
 
 FRAMES_AT_LEAST = 16
 """A hand-off is cut into at least this many frames where it can be: a frame is forwarded to a pipelined pull only
@@ -50,10 +51,12 @@ once whole, so a 16 MiB hand-off in 4 MiB frames reached its puller ~20 % later 
 
 
 def frame_bytes(lane: pb.Lane, nbytes: int, stream_chunk_bytes: int) -> int:
-    """The bytes each frame of a push of `nbytes` carries on `lane`: a FRAMES_AT_LEAST-th of the hand-off, from the
-    stream's chunk size up to LANE_FRAME_BYTES, and never more than the lane takes (`max_frame_bytes`; a broker
-    from before that field gets the stream's chunk size)."""
-    wanted = min(LANE_FRAME_BYTES, max(stream_chunk_bytes, nbytes // FRAMES_AT_LEAST))
+    """The bytes each frame of a push of `nbytes` carries on `lane`: on the shared-memory lane a FRAMES_AT_LEAST-th
+    of the hand-off, from the stream's chunk size up to LANE_FRAME_BYTES; on the TCP lane the stream's chunk size;
+    never more than the lane takes (`max_frame_bytes`; a broker from before that field gets the stream's chunk size)."""
+    wanted = stream_chunk_bytes
+    if lane.kind == pb.LANE_KIND_SHM:
+        wanted = min(LANE_FRAME_BYTES, max(stream_chunk_bytes, nbytes // FRAMES_AT_LEAST))
     return min(wanted, lane.max_frame_bytes or stream_chunk_bytes)
 
 

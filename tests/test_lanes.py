@@ -77,13 +77,13 @@ WIDE = Contract("wide", 2049, 64, tuple(Carried(f"w{i}", i, 2048, 4096, "float32
 @pytest.mark.parametrize(
     "lane, max_message_bytes, chunk_bytes, frame",
     [
-        ("tcp", 64 << 20, None, 4 << 20),  # a sixteenth of the hand-off, at most 4 MiB
-        ("shm", 64 << 20, None, 4 << 20),
-        ("tcp", 2 << 20, None, 2 << 20),  # ... and no more than the lane takes
-        ("tcp", 64 << 20, 1 << 20, 1 << 20),  # a size the caller chose is kept
+        ("shm", 64 << 20, None, 4 << 20),  # a sixteenth of the hand-off, at most 4 MiB
+        ("shm", 2 << 20, None, 2 << 20),  # ... and no more than the lane takes
+        ("shm", 64 << 20, 1 << 20, 1 << 20),  # a size the caller chose is kept
+        ("tcp", 64 << 20, None, DEFAULT_CHUNK_BYTES),  # the TCP lane: the stream's chunk size
     ],
 )
-def test_a_large_hand_off_crosses_a_lane_in_frames_up_to_4_mib_within_the_lanes_limit(
+def test_a_large_hand_off_crosses_the_shared_memory_lane_in_frames_up_to_4_mib_within_the_lanes_limit(
     start_broker, lane, max_message_bytes, chunk_bytes, frame
 ):
     lanes = TCP_ONLY if lane == "tcp" else {"shared_memory_lane_min_bytes": 1}
@@ -91,20 +91,23 @@ def test_a_large_hand_off_crosses_a_lane_in_frames_up_to_4_mib_within_the_lanes_
     tensors = seeded_tensors(WIDE)
     with HandoffClient(broker.address, chunk_bytes=chunk_bytes) as client:
         assert client.lane(WIDE.nbytes).max_frame_bytes == max_message_bytes
-        assert client.push("wide", "r", 1, tensors).chunks == WIDE.nbytes // frame
+        frames_a_tensor = -(-WIDE.carried[0].nbytes // frame)
+        assert client.push("wide", "r", 1, tensors).chunks == len(WIDE.carried) * frames_a_tensor
         assert_same_bits(client.pull("wide", "r").state, tensors)
     labels = {"model": "wide", "kind": "push", "lane": lane}
     assert broker.registry.get_sample_value("handoff_lane_bytes_total", labels) == WIDE.nbytes
 
 
-def test_a_lane_frame_is_a_sixteenth_of_the_hand_off_from_the_streams_chunk_up_to_4_mib_and_the_lanes_limit():
+def test_a_shared_memory_lane_frame_is_a_sixteenth_of_the_hand_off_from_the_streams_chunk_up_to_4_mib():
     chunk, MiB = DEFAULT_CHUNK_BYTES, 1 << 20
-    lane = pb.Lane(kind=pb.LANE_KIND_TCP, max_frame_bytes=64 * MiB)
-    assert [frame_bytes(lane, n, chunk) for n in (2 * MiB, 16 * MiB, 32 * MiB, 64 * MiB, 1 << 30)] == [
+    shm = pb.Lane(kind=pb.LANE_KIND_SHM, max_frame_bytes=64 * MiB)
+    assert [frame_bytes(shm, n, chunk) for n in (2 * MiB, 16 * MiB, 32 * MiB, 64 * MiB, 1 << 30)] == [
         chunk, MiB, 2 * MiB, 4 * MiB, 4 * MiB,
     ]  # fmt: skip
-    assert frame_bytes(pb.Lane(max_frame_bytes=3 * MiB), 1 << 30, chunk) == 3 * MiB
-    assert frame_bytes(pb.Lane(), 1 << 30, chunk) == chunk  # a broker from before max_frame_bytes
+    assert frame_bytes(pb.Lane(kind=pb.LANE_KIND_SHM, max_frame_bytes=3 * MiB), 1 << 30, chunk) == 3 * MiB
+    assert frame_bytes(pb.Lane(kind=pb.LANE_KIND_SHM), 1 << 30, chunk) == chunk  # a broker from before the field
+    assert frame_bytes(pb.Lane(kind=pb.LANE_KIND_TCP, max_frame_bytes=64 * MiB), 1 << 30, chunk) == chunk
+    assert frame_bytes(pb.Lane(kind=pb.LANE_KIND_TCP, max_frame_bytes=MiB // 2), 1 << 30, chunk) == MiB // 2
 
 
 def test_a_hand_off_under_the_lanes_floor_and_a_client_without_lanes_use_the_stream(start_broker, contracts):
