@@ -74,9 +74,13 @@ def test_a_broker_reuses_its_pages_for_lane_frames_of_16_mib_too() -> None:
                 assert client.push("wide-attention", handoff_id, 1, tensors).chunks == 4
                 client.pull("wide-attention", handoff_id)
                 faults.append(proc_status(broker.pid)[0] - before)
+                time.sleep(0.5)  # the pull's call lets go of its frames as grpcio ends it, after the confirm
         cold, warm = faults
         print(f"page faults of a 64 MiB push and pull in 16 MiB lane frames: cold {cold}, warm {warm}")
-        assert warm * 4 < cold, faults  # (with an mmap threshold of 8 MiB, as many warm as cold: 2,080 and 2,086)
+        # With an mmap threshold of 8 MiB the warm one faulted in as many pages as the cold one (2,080 and 2,086 here,
+        # fewer than the hand-off's 16,384: this kernel maps some anonymous memory in folios of several pages); at
+        # 32 MiB, 1-3 here and 521-528 in CI's fresh virtualenv.
+        assert warm < (64 * MiB // PAGE) // 16, faults
     finally:
         broker.terminate()
         broker.wait(timeout=30)
