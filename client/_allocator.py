@@ -28,10 +28,9 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
-MMAP_THRESHOLD = 32 << 20
-"""Allocations below this come from the heap and are reused: glibc's largest (on 64-bit), past every frame our client
-sends and any a peer sends up to 32 MiB. At 8 MiB, a broker receiving 8 MiB lane frames (a client's `chunk_bytes`)
-faulted each one in afresh: 256 MiB moved at a quarter to a fifth of the rate it reached at 32 MiB (2 vCPUs)."""
+MMAP_THRESHOLD = 8 << 20
+"""Allocations below this come from the heap and are reused; above the largest chunk frame a worker receives (the
+broker sets its own, larger: handoff_broker.app.ALLOCATOR_MMAP_THRESHOLD)."""
 
 TRIM_THRESHOLD = 64 << 20
 """Free bytes a heap may keep at its top before glibc returns them: room for a few dozen frames in flight."""
@@ -48,20 +47,21 @@ except OSError:  # not glibc
     _libc = None
 
 
-def tune_allocator(arenas: int | None = None, keep: int = TRIM_THRESHOLD) -> bool:
+def tune_allocator(arenas: int | None = None, keep: int = TRIM_THRESHOLD, mmap_threshold: int = MMAP_THRESHOLD) -> bool:
     """Keep the pages of received messages mapped for the next ones, up to `keep` free bytes at a heap's top (at
-    most 2 GiB); with `arenas`, also cap glibc's arenas (each thread may otherwise get one, each keeping its own free
-    pages). True where glibc took every setting.
+    most 2 GiB), for every allocation under `mmap_threshold` (at most glibc's 32 MiB on 64-bit); with `arenas`, also
+    cap glibc's arenas (each thread may otherwise get one, each keeping its own free pages). True where glibc took
+    every setting.
 
     Call it early, before the threads that receive are started: an arena already made is not capped."""
     if _libc is None:
         return False
-    ok = _libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-    ok &= _libc.mallopt(_M_TRIM_THRESHOLD, max(MMAP_THRESHOLD, min(keep, _MALLOPT_MAX))) == 1
+    ok = _libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+    ok &= _libc.mallopt(_M_TRIM_THRESHOLD, max(mmap_threshold, min(keep, _MALLOPT_MAX))) == 1
     if arenas is not None:
         ok &= _libc.mallopt(_M_ARENA_MAX, arenas) == 1
     logger.debug("allocator tuned: mmap above %d, trim above %d, arenas %s (%s)",
-                 MMAP_THRESHOLD, keep, arenas or "glibc's", ok)  # fmt: skip
+                 mmap_threshold, keep, arenas or "glibc's", ok)  # fmt: skip
     return bool(ok)
 
 

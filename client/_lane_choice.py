@@ -42,8 +42,8 @@ LANE_FRAME_BYTES = 4 << 20
 (benchmarks/bench.py's pusher, broker and puller, 2 vCPUs, pull made before the push): from 1 MiB to 2-6 MiB frames a
 256 MiB hand-off moved 1.2-1.3x faster on that lane at two thirds of the broker's CPU. On the TCP lane larger frames
 bought nothing (the kernel's copies are the same per byte) and cost the sealed lane a fifth of its rate
-(benchmarks/tls_lanes.py), so it keeps the stream's chunk size. (8 MiB frames fell to a fifth while the allocator's
-mmap threshold was 8 MiB, each frame's pages faulted in afresh; it is 32 MiB now, handoff_client._allocator.)"""
+(benchmarks/tls_lanes.py), so it keeps the stream's chunk size. (8 MiB frames fell to a fifth while the broker's
+mmap threshold was 8 MiB, each frame's pages faulted in afresh; it is 32 MiB now, handoff_broker.app.)"""
 
 FRAMES_AT_LEAST = 16
 """A hand-off is cut into at least this many frames where it can be: a frame is forwarded to a pipelined pull only

@@ -77,9 +77,9 @@ def test_a_broker_reuses_its_pages_for_lane_frames_of_16_mib_too() -> None:
                 time.sleep(0.5)  # the pull's call lets go of its frames as grpcio ends it, after the confirm
         cold, warm = faults
         print(f"page faults of a 64 MiB push and pull in 16 MiB lane frames: cold {cold}, warm {warm}")
-        # With an mmap threshold of 8 MiB the warm one faulted in as many pages as the cold one (2,080 and 2,086 here,
-        # fewer than the hand-off's 16,384: this kernel maps some anonymous memory in folios of several pages); at
-        # 32 MiB, 1-3 here and 521-528 in CI's fresh virtualenv.
+        # With the broker's mmap threshold at 8 MiB the warm one faulted in as many pages as the cold one (2,080 and
+        # 2,086 here, fewer than the hand-off's 16,384: this kernel maps some anonymous memory in folios of several
+        # pages); at 32 MiB, 1-3 here and 521-528 in CI's fresh virtualenv.
         assert warm < (64 * MiB // PAGE) // 16, faults
     finally:
         broker.terminate()
