@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "roles prefill, decode, admin; `hash-token` prints a sha256)",
     )
     serve.add_argument("--max-message-bytes", type=_parse_bytes, default=64 << 20,
-                       help="largest message (chunk frame) accepted (64MiB)")  # fmt: skip
+                       help="largest message (chunk frame) and lane frame accepted (64MiB)")  # fmt: skip
     serve.add_argument("--max-streams-per-connection", type=int, default=100,
                        help="concurrent streams one connection may open (100)")  # fmt: skip
     serve.add_argument("--push-deadline", type=float, default=600.0,
