@@ -65,6 +65,10 @@ default settings reads every frame."""
 DEFAULT_TIMEOUT = 60.0
 """Seconds a call may take, end to end, unless the caller says otherwise."""
 
+LANE_RETRY_AFTER = 60.0
+"""Seconds a client leaves a TCP lane it could not connect to before it tries it again: each try costs a call its
+attempt and a retry, and a broker that restarts on the same address is back within that."""
+
 T = TypeVar("T")
 
 
@@ -135,6 +139,7 @@ class HandoffClient:
         self._lane_offers: list[pb.Lane] = []
         self._lanes_asked = False
         self._shared_memory = shared_memory  # (and until the shared-memory lane turns out unreachable from here)
+        self._tcp_lane_unreachable_until = 0.0  # (time.monotonic(): until then the TCP lane is not tried)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._channel = make_channel(
             target, CHANNEL_OPTIONS + tuple(options), credentials, tls_root_certificates=tls_root_certificates,
@@ -268,13 +273,18 @@ class HandoffClient:
                 response = pb.LanesResponse()
             self._lane_offers = list(response.lanes)
             self._lanes_asked = True
-        return choose(self._lane_offers, nbytes, shared_memory=self._shared_memory)
+        tcp = time.monotonic() >= self._tcp_lane_unreachable_until
+        return choose(self._lane_offers, nbytes, shared_memory=self._shared_memory, tcp=tcp)
 
     def _lane_unreachable(self, lane: pb.Lane) -> None:
         """A lane this client could not connect to: a shared-memory lane it shares the host but not the filesystem
-        or the user with (another container, say) is not tried again; the next calls take the TCP lane."""
+        or the user with (another container, say) is not tried again, the next calls taking the TCP lane; a TCP lane
+        (a firewall, a NAT the broker's advertised address does not cross) not for LANE_RETRY_AFTER seconds, the
+        calls meanwhile on the streams."""
         if lane.kind == pb.LANE_KIND_SHM:
             self._shared_memory = False
+        else:
+            self._tcp_lane_unreachable_until = time.monotonic() + LANE_RETRY_AFTER
 
     # -- decode side --------------------------------------------------------------------------------------------------
 

@@ -20,18 +20,20 @@ def _this_host() -> str:
     return host_id()
 
 
-def choose(offers: Sequence[pb.Lane], nbytes: int | None, shared_memory: bool = True) -> pb.Lane | None:
+def choose(
+    offers: Sequence[pb.Lane], nbytes: int | None, shared_memory: bool = True, tcp: bool = True
+) -> pb.Lane | None:
     """The lane for a hand-off of `nbytes` (None: whichever a large one would take, as a pull asks before it knows
     the size): the shared-memory lane if `shared_memory` is allowed, it is offered on this host and the hand-off is
-    at least its min_bytes, else the TCP lane if it is at least that one's; None for the streams, or when the TCP
-    lane is sealed and this process cannot seal."""
+    at least its min_bytes, else the TCP lane if `tcp` is allowed and the hand-off is at least that one's; None for
+    the streams, or when the TCP lane is sealed and this process cannot seal."""
     by_kind = {offer.kind: offer for offer in offers}
     shm = by_kind.get(pb.LANE_KIND_SHM)
     on_this_host = shm is not None and shm.host_id != "" and shm.host_id == _this_host()
-    tcp = by_kind.get(pb.LANE_KIND_TCP)
-    if tcp is not None and tcp.sealing != pb.LANE_SEALING_NONE and not sealing_available():
-        tcp = None  # a TLS broker's sealed TCP lane, and no `cryptography` here: the streams
-    for lane in (shm if shared_memory and on_this_host else None, tcp):
+    tcp_lane = by_kind.get(pb.LANE_KIND_TCP) if tcp else None
+    if tcp_lane is not None and tcp_lane.sealing != pb.LANE_SEALING_NONE and not sealing_available():
+        tcp_lane = None  # a TLS broker's sealed TCP lane, and no `cryptography` here: the streams
+    for lane in (shm if shared_memory and on_this_host else None, tcp_lane):
         if lane is not None and (nbytes is None or nbytes >= lane.min_bytes):
             return lane
     return None

@@ -123,6 +123,27 @@ def test_a_hand_off_under_the_lanes_floor_and_a_client_without_lanes_use_the_str
         assert lane_bytes(broker, model, kind) == 0
 
 
+def test_a_tcp_lane_the_client_cannot_reach_costs_one_fast_fallback_and_is_left_alone_for_a_while(
+    start_broker, caplog
+):
+    """As behind a firewall or a NAT the advertised address does not cross: the connection is refused. The pull does
+    not wait out the broker's --idle-timeout for a lane that will never come, and later calls go on the streams."""
+    broker = start_broker(contracts={"large": LARGE}, lane_advertise_host="127.0.0.2", idle_timeout=20.0, **TCP_ONLY)
+    tensors = seeded_tensors(LARGE)
+    with HandoffClient(broker.address) as pusher, HandoffClient(broker.address) as puller:
+        pusher.push("large", "first", 1, tensors)  # its lane refused: retried on the stream
+        assert pusher.lane() is None  # ... and not tried again for LANE_RETRY_AFTER
+        pusher.push("large", "second", 1, tensors)
+        started = time.monotonic()
+        assert_same_bits(puller.pull("large", "first").state, tensors)  # a fresh client: it tries the lane once
+        assert time.monotonic() - started < 5, "the pull waited for a lane it could not reach"
+        assert_same_bits(puller.pull("large", "second").state, tensors)
+    fallbacks = [r.getMessage() for r in caplog.records if getattr(r, "lane_fallback", False)]
+    assert len(fallbacks) == 2 and all("127.0.0.2" in f for f in fallbacks), fallbacks
+    assert lane_bytes(broker, "large", "push") == lane_bytes(broker, "large", "pull") == 0
+    assert_holds_nothing(broker)
+
+
 def test_no_lanes_offers_none_and_a_push_that_asks_anyway_is_told_to_use_the_stream(start_broker):
     broker = start_broker(contracts={"large": LARGE}, lanes=False)
     with HandoffClient(broker.address) as client:
