@@ -46,15 +46,14 @@ def path() -> str:
 def stays_on_its_lane(request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """On a lane's path, a test fails if any of its calls fell back to the stream (the client's `lane_fallback`
     warning): a lane that broke would otherwise pass unseen, the client's retry on the stream delivering the same
-    bits. A test that breaks a lane on purpose is marked `lane_may_break`."""
+    bits. (Tests that break a lane on purpose live in test_lanes.py and test_shm_lane.py, which run on one path.)"""
     yield
     callspec = getattr(request.node, "callspec", None)
     if callspec is None or callspec.params.get("path") not in ("tcp", "shm"):
         return
-    if request.node.get_closest_marker("lane_may_break") is None:
-        records = caplog.get_records("setup") + caplog.get_records("call")
-        fallbacks = [r.getMessage() for r in records if getattr(r, "lane_fallback", False)]
-        assert not fallbacks, f"a call left its lane for the stream: {fallbacks}"
+    records = caplog.get_records("setup") + caplog.get_records("call")
+    fallbacks = [r.getMessage() for r in records if getattr(r, "lane_fallback", False)]
+    assert not fallbacks, f"a call left its lane for the stream: {fallbacks}"
 
 
 @pytest.fixture
