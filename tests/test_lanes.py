@@ -83,7 +83,7 @@ WIDE = Contract("wide", 2049, 64, tuple(Carried(f"w{i}", i, 2048, 4096, "float32
         ("tcp", 64 << 20, None, DEFAULT_CHUNK_BYTES),  # the TCP lane: the stream's chunk size
     ],
 )
-def test_a_large_hand_off_crosses_the_shared_memory_lane_in_frames_up_to_4_mib_within_the_lanes_limit(
+def test_a_lane_push_is_cut_into_frames_up_to_4_mib_on_shared_memory_and_the_streams_chunk_on_tcp(
     start_broker, lane, max_message_bytes, chunk_bytes, frame
 ):
     lanes = TCP_ONLY if lane == "tcp" else {"shared_memory_lane_min_bytes": 1}
