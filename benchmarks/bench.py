@@ -10,6 +10,10 @@ Every path is three processes on this machine — a producer, a relay in the mid
 verified at the consumer (CRC32C against the producer's). Paths:
     memcpy x2     one process copies the payload twice: the copy limit
     tcp relay     raw sockets through a middle process, 4 MiB buffers, streaming through
+    checked relay the same sockets doing a lane's duties and nothing else: 1 MiB frames with a CRC32C each, which the
+                  producer computes, the relay checks on the copy it keeps (until the transfer ends, as a broker keeps
+                  a hand-off until its confirm) and forwards from another thread, and the consumer checks on its
+                  destination; what checked store-and-forward costs in Python here, with no control plane at all
     redis relay   RPUSH / BLPOP of 4 MiB values through redis-server (skipped when there is no redis-server)
     naive grpc    protobuf `bytes` chunks of 1 MiB, client-stream in, store, server-stream out
     tuned grpc    the best relay grpcio's Python API allows, as measured when this project began: 4 MiB messages of
@@ -45,6 +49,7 @@ import re
 import shutil
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -190,6 +195,107 @@ def role_tcp_consumer(port: int, nbytes: int) -> None:
     got = 0
     while got < nbytes:
         got += sock.recv_into(view[got:], min(RELAY_BUFFER, nbytes - got))
+    t1 = time.monotonic()
+    print(json.dumps({"t1": t1, "crc": crc(out)}))
+
+
+CHECKED_FRAME = 1 * MiB
+RELAY_KEEP = 1 << 30  # free bytes the checked relay's heap keeps: the largest payload, as a broker keeps its --max-bytes
+CHECKED_HEADER = struct.Struct("<II")  # length (0: the end), CRC32C
+
+
+def _tuned_socket(sock: socket.socket) -> socket.socket:
+    """The lanes' socket settings (handoff_client._lane.tune): large buffers, no Nagle delay."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, RELAY_BUFFER)
+    return sock
+
+
+def _fill(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view` from the socket; False if it closed first."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def _checked_frames(sock: socket.socket):
+    """(length, crc) of each frame header on the socket, to its end marker."""
+    header = bytearray(CHECKED_HEADER.size)
+    while _fill(sock, memoryview(header)) and (fields := CHECKED_HEADER.unpack(header))[0]:
+        yield fields
+
+
+def role_checked_relay(port_file: str, runs: int) -> None:
+    """Receives and checks on one thread, forwards on another, as the broker's push and pipelined pull do."""
+    from handoff_client import tune_allocator
+
+    tune_allocator(keep=RELAY_KEEP, mmap_threshold=32 * MiB)  # as the broker: pages a transfer freed serve the next
+    crc(b"")  # (its module imported before any clock starts)
+    server = socket.create_server(("127.0.0.1", 0))
+    Path(port_file).write_text(str(server.getsockname()[1]))
+    for _ in range(runs):
+        peers = {}
+        while len(peers) < 2:
+            conn, _ = server.accept()
+            peers[conn.recv(1)] = _tuned_socket(conn)
+        src, dst = peers[b"P"], peers[b"C"]
+        kept: list[np.ndarray] = []
+        checked: queue.SimpleQueue = queue.SimpleQueue()  # (frame, crc) checked, for the forwarding thread; None: the end
+
+        def forward() -> None:
+            while (item := checked.get()) is not None:
+                frame, frame_crc = item
+                dst.sendall(CHECKED_HEADER.pack(len(frame), frame_crc))
+                dst.sendall(memoryview(frame))
+            dst.sendall(CHECKED_HEADER.pack(0, 0))
+
+        forwarding = threading.Thread(target=forward)
+        forwarding.start()
+        for length, expected in _checked_frames(src):
+            frame = np.empty(length, np.uint8)
+            if not _fill(src, memoryview(frame)) or crc(frame) != expected:
+                raise RuntimeError("a frame short or failing its CRC32C")
+            kept.append(frame)
+            checked.put((frame, expected))
+        checked.put(None)
+        forwarding.join()
+        kept.clear()
+        src.close()
+        dst.close()
+
+
+def role_checked_producer(port: int, nbytes: int) -> None:
+    data = memoryview(payload(nbytes))
+    crc(b"")
+    sock = _tuned_socket(socket.create_connection(("127.0.0.1", port)))
+    sock.sendall(b"P")
+    t0 = time.monotonic()
+    for at in range(0, nbytes, CHECKED_FRAME):
+        frame = data[at : at + CHECKED_FRAME]
+        sock.sendall(CHECKED_HEADER.pack(len(frame), crc(frame)))
+        sock.sendall(frame)
+    sock.sendall(CHECKED_HEADER.pack(0, 0))
+    sock.close()
+    print(json.dumps({"t0": t0}))
+
+
+def role_checked_consumer(port: int, nbytes: int) -> None:
+    out = destination(nbytes)
+    view = memoryview(out)
+    crc(b"")
+    sock = _tuned_socket(socket.create_connection(("127.0.0.1", port)))
+    sock.sendall(b"C")
+    print("ready", flush=True)
+    got = 0
+    for length, expected in _checked_frames(sock):
+        if not _fill(sock, view[got : got + length]) or crc(view[got : got + length]) != expected:
+            raise RuntimeError("a frame short or failing its CRC32C")
+        got += length
     t1 = time.monotonic()
     print(json.dumps({"t1": t1, "crc": crc(out)}))
 
@@ -734,16 +840,19 @@ class Bench:
                 process.kill()
 
     def throughput(self, label: str, model: str, nbytes: int) -> None:
-        rows: dict[str, list] = {"memcpy x2": [], "tcp relay": [], "naive grpc": [], "tuned grpc": [], "handoff": [],
-                                 "handoff tcp": [], "handoff shm": []}  # fmt: skip
+        rows: dict[str, list] = {"memcpy x2": [], "tcp relay": [], "checked relay": [], "naive grpc": [],
+                                 "tuned grpc": [], "handoff": [], "handoff tcp": [], "handoff shm": []}  # fmt: skip
         if self.redis_port:
             rows["redis relay"] = []
         extra: dict[str, list] = {"first_layer_fraction": []}
         cpu: dict[str, list] = {path: [] for path in HANDOFF_PATHS}
         relay_cpu: list[float] = []  # the raw relay's own, per GiB: what forwarding costs in the kernel, checking nothing
-        port_file = self.workdir / f"tcp-{label}.port"
+        checked_cpu: list[float] = []  # the checked relay's: what keeping and checking the bytes adds, in Python
+        port_file, checked_file = self.workdir / f"tcp-{label}.port", self.workdir / f"checked-{label}.port"
         relay = _spawn("tcp-relay", port_file, self.runs)
-        tcp_port = _port_from(port_file)
+        checked = _spawn("checked-relay", checked_file, self.runs + 1)
+        tcp_port, checked_port = _port_from(port_file), _port_from(checked_file)
+        self.checked_once(checked_port, nbytes)  # untimed: its heap then holds the pages, as a serving broker's does
         self.handoff_once(model, f"{label}-warm-up")  # untimed: a serving broker has had hand-offs of this size
         for run in range(self.runs):
             r = _result(_spawn("memcpy", nbytes))
@@ -753,6 +862,9 @@ class Bench:
             before = _cpu_seconds(relay.pid)
             rows["tcp relay"].append(_relay_run(_spawn("tcp-producer", tcp_port, nbytes), consumer, nbytes)["seconds"])
             relay_cpu.append((_cpu_seconds(relay.pid) - before) / (nbytes / (1 << 30)))
+            before = _cpu_seconds(checked.pid)
+            rows["checked relay"].append(self.checked_once(checked_port, nbytes)["seconds"])
+            checked_cpu.append((_cpu_seconds(checked.pid) - before) / (nbytes / (1 << 30)))
             key = f"{label}-{run}"
             consumer = _spawn("naive-grpc-consumer", self.naive_port, nbytes, key)
             _wait_ready(consumer)
@@ -782,6 +894,7 @@ class Bench:
                 if path == "stream":
                     extra["first_layer_fraction"].append((r["t_first"] - r["t0"]) / (r["t_end"] - r["t0"]))
         relay.wait(timeout=30)
+        checked.wait(timeout=30)
         tcp, tuned = statistics.median(rows["tcp relay"]), statistics.median(rows["tuned grpc"])
         self.results["throughput"][label] = {
             "bytes": nbytes,
@@ -795,6 +908,7 @@ class Bench:
             },
             "broker_cpu_s_per_gib": {path: statistics.median(seconds) for path, seconds in cpu.items()},
             "relay_cpu_s_per_gib": statistics.median(relay_cpu),
+            "checked_relay_cpu_s_per_gib": statistics.median(checked_cpu),
             "pipelined_first_layer_at": statistics.median(extra["first_layer_fraction"]),
         }
 
@@ -846,6 +960,11 @@ class Bench:
                 for name, times in rows.items()
             },
         }
+
+    def checked_once(self, port: int, nbytes: int) -> dict:
+        consumer = _spawn("checked-consumer", port, nbytes)
+        _wait_ready(consumer)
+        return _relay_run(_spawn("checked-producer", port, nbytes), consumer, nbytes)
 
     def handoff_once(self, model: str, key: str) -> None:
         consumer = _spawn("handoff-consumer", self.target, model, key)
@@ -975,7 +1094,8 @@ def report(results: dict) -> str:
         cpu = row["broker_cpu_s_per_gib"]
         lines.append(
             f"  broker CPU, s per GiB moved: {cpu['stream']:.2f} on the streams, {cpu['tcp']:.2f} on the TCP lane, "
-            f"{cpu['shm']:.2f} on the shared-memory lane (the raw TCP relay: {row['relay_cpu_s_per_gib']:.2f}); "
+            f"{cpu['shm']:.2f} on the shared-memory lane (the raw TCP relay: {row['relay_cpu_s_per_gib']:.2f}, the "
+            f"checked relay: {row['checked_relay_cpu_s_per_gib']:.2f}); "
             f"pipelined pull had its first tensor at "
             f"{100 * row['pipelined_first_layer_at']:.1f}% of the push's duration"
         )

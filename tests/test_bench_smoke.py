@@ -26,13 +26,14 @@ def test_the_benchmark_runs_every_path_and_reports_sane_figures(tmp_path: Path):
     figures = json.loads(out.read_text())
     for label, row in figures["throughput"].items():
         paths = row["paths"]
-        assert {"memcpy x2", "tcp relay", "naive grpc", "tuned grpc", "handoff", "handoff tcp",
+        assert {"memcpy x2", "tcp relay", "checked relay", "naive grpc", "tuned grpc", "handoff", "handoff tcp",
                 "handoff shm"} <= set(paths), label
         for name, path in paths.items():
             assert path["mib_s"] > 0 and path["vs_tcp"] > 0, (label, name)
         assert paths["tcp relay"]["vs_tcp"] == 1.0 and paths["tuned grpc"]["vs_tuned_grpc"] == 1.0
         assert set(row["broker_cpu_s_per_gib"]) == {"stream", "tcp", "shm"}
         assert all(seconds >= 0 for seconds in row["broker_cpu_s_per_gib"].values())
+        assert row["relay_cpu_s_per_gib"] >= 0 and row["checked_relay_cpu_s_per_gib"] >= 0
     assert figures["latency"]["handoff"]["p50_ms"] <= figures["latency"]["handoff"]["p99_ms"]
     assert 0 < figures["latency"]["grpc 1 call"]["p50_ms"] < figures["latency"]["grpc floor"]["p50_ms"]
     assert set(figures["concurrency"]) == {"1", "4"}
