@@ -200,7 +200,8 @@ def role_tcp_consumer(port: int, nbytes: int) -> None:
 
 
 CHECKED_FRAME = 1 * MiB
-RELAY_KEEP = 1 << 30  # free bytes the checked relay's heap keeps: the largest payload, as a broker keeps its --max-bytes
+# Free bytes the checked relay's heap keeps: more than the largest payload, as a broker keeps up to its --max-bytes.
+RELAY_KEEP = 1 << 30
 CHECKED_HEADER = struct.Struct("<II")  # length (0: the end), CRC32C
 
 
@@ -245,7 +246,7 @@ def role_checked_relay(port_file: str, runs: int) -> None:
             peers[conn.recv(1)] = _tuned_socket(conn)
         src, dst = peers[b"P"], peers[b"C"]
         kept: list[np.ndarray] = []
-        checked: queue.SimpleQueue = queue.SimpleQueue()  # (frame, crc) checked, for the forwarding thread; None: the end
+        checked: queue.SimpleQueue = queue.SimpleQueue()  # (frame, crc) for the forwarding thread; None: the end
 
         def forward() -> None:
             while (item := checked.get()) is not None:
@@ -846,7 +847,7 @@ class Bench:
             rows["redis relay"] = []
         extra: dict[str, list] = {"first_layer_fraction": []}
         cpu: dict[str, list] = {path: [] for path in HANDOFF_PATHS}
-        relay_cpu: list[float] = []  # the raw relay's own, per GiB: what forwarding costs in the kernel, checking nothing
+        relay_cpu: list[float] = []  # the raw relay's own, per GiB: forwarding in the kernel, checking nothing
         checked_cpu: list[float] = []  # the checked relay's: what keeping and checking the bytes adds, in Python
         port_file, checked_file = self.workdir / f"tcp-{label}.port", self.workdir / f"checked-{label}.port"
         relay = _spawn("tcp-relay", port_file, self.runs)
