@@ -166,7 +166,9 @@ def await_answer(
 
 class Frames(Protocol):
     """A lane's frames, one way: the sender's `send`s and `end`, the receiver's `read_header` then `read_into` (the
-    frame's bytes, into the receiver's own memory, where it then checks their CRC32C)."""
+    frame's bytes, into the receiver's own memory, where their CRC32C is then checked). `read_into` returns that
+    CRC32C where the lane computed it over the receiver's copy on the way in (the shared-memory lane, with the native
+    copy: handoff_client._native), else None, and the receiver computes it over `view` itself."""
 
     sock: socket.socket
 
@@ -176,7 +178,7 @@ class Frames(Protocol):
 
     def read_header(self) -> FrameHeader: ...
 
-    def read_into(self, header: FrameHeader, view: memoryview) -> None: ...
+    def read_into(self, header: FrameHeader, view: memoryview) -> int | None: ...
 
     def close(self) -> None: ...
 
@@ -235,9 +237,9 @@ class StripedFrames:
             self._unended.remove(part)
         return FrameHeader(END, 0, 0, 0)
 
-    def read_into(self, header: FrameHeader, view: memoryview) -> None:
+    def read_into(self, header: FrameHeader, view: memoryview) -> int | None:
         assert self._reading is not None, "read_into follows the read_header of its frame"
-        self._reading.read_into(header, view)
+        return self._reading.read_into(header, view)
 
     def close(self) -> None:
         for part in self._parts:
