@@ -2,20 +2,14 @@
 #   docker build -t handoff-broker:0.1.0 .     (the name deploy/kubernetes/broker.yaml and docker-compose.yml use)
 # The base is pinned to an exact release; pin it by digest too (python:3.11.7-slim-bookworm@sha256:...) where your
 # registry policy asks for it.
+FROM python:3.11.7-slim-bookworm
 
-# The wheel is built where there is a C compiler, for the optional native module (setup.py); the image has none.
-FROM python:3.11.7-slim-bookworm AS wheel
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY client ./client
 COPY server ./server
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
-
-FROM python:3.11.7-slim-bookworm
-COPY --from=wheel /wheels /wheels
-RUN pip install --no-cache-dir "$(echo /wheels/handoff_broker-*.whl)[server]" && rm -rf /wheels
+RUN pip install --no-cache-dir '.[server]' && rm -rf /src
 
 RUN useradd --system --uid 10001 --no-create-home broker
 USER broker

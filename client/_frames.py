@@ -57,20 +57,16 @@ def _read_varint(buf: bytes, at: int) -> tuple[int, int]:
 
 
 class ChunkFrame:
-    """One received chunk: its fields, the payload as a slice of the received bytes, and those bytes (`frame`).
-    `landed_crc` is the CRC32C of `data` where the lane computed it as the bytes landed there, else None."""
+    """One received chunk: its fields, the payload as a slice of the received bytes, and those bytes (`frame`)."""
 
-    __slots__ = ("tensor", "offset", "crc32c", "data", "frame", "landed_crc")
+    __slots__ = ("tensor", "offset", "crc32c", "data", "frame")
 
-    def __init__(
-        self, tensor: str, offset: int, crc: int, data: memoryview, frame: bytes, landed_crc: int | None = None
-    ) -> None:
+    def __init__(self, tensor: str, offset: int, crc: int, data: memoryview, frame: bytes) -> None:
         self.tensor = tensor
         self.offset = offset
         self.crc32c = crc
         self.data = data
         self.frame = frame
-        self.landed_crc = landed_crc
 
     def __repr__(self) -> str:
         return f"ChunkFrame({self.tensor!r}, offset={self.offset}, length={len(self.data)})"

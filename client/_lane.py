@@ -166,9 +166,7 @@ def await_answer(
 
 class Frames(Protocol):
     """A lane's frames, one way: the sender's `send`s and `end`, the receiver's `read_header` then `read_into` (the
-    frame's bytes, into the receiver's own memory, where their CRC32C is then checked). `read_into` returns that
-    CRC32C where the lane computed it over the receiver's copy on the way in (the shared-memory lane, with the native
-    copy: handoff_client._native), else None, and the receiver computes it over `view` itself."""
+    frame's bytes, into the receiver's own memory, where it then checks their CRC32C)."""
 
     sock: socket.socket
 
@@ -178,7 +176,7 @@ class Frames(Protocol):
 
     def read_header(self) -> FrameHeader: ...
 
-    def read_into(self, header: FrameHeader, view: memoryview) -> int | None: ...
+    def read_into(self, header: FrameHeader, view: memoryview) -> None: ...
 
     def close(self) -> None: ...
 
@@ -237,9 +235,9 @@ class StripedFrames:
             self._unended.remove(part)
         return FrameHeader(END, 0, 0, 0)
 
-    def read_into(self, header: FrameHeader, view: memoryview) -> int | None:
+    def read_into(self, header: FrameHeader, view: memoryview) -> None:
         assert self._reading is not None, "read_into follows the read_header of its frame"
-        return self._reading.read_into(header, view)
+        self._reading.read_into(header, view)
 
     def close(self) -> None:
         for part in self._parts:

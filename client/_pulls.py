@@ -210,8 +210,8 @@ class PulledTensors:
                         raise MalformedRequest(f"lane frame for tensor index {frame.index} of {len(contract.carried)}")
                     spans[frame.index].add(frame.offset, frame.length)  # bounds and overlap, before the bytes land
                     into = memoryview(flats[frame.index])[frame.offset : frame.offset + frame.length]
-                    landed_crc = frames.read_into(frame, into)
-                    if _checked(spans[frame.index], entries, frame.index, frame.offset, into, frame.crc, landed_crc):
+                    frames.read_into(frame, into)
+                    if _checked(spans[frame.index], entries, frame.index, frame.offset, into, frame.crc):
                         yield contract.carried[frame.index], arrays[frame.index]
             finally:
                 frames.close()
@@ -232,19 +232,12 @@ class PulledTensors:
 
 
 def _checked(
-    spans: TensorSpans,
-    entries: list[tuple[int, int, int, int]],
-    index: int,
-    offset: int,
-    data: object,
-    crc: int,
-    landed_crc: int | None = None,
+    spans: TensorSpans, entries: list[tuple[int, int, int, int]], index: int, offset: int, data: object, crc: int
 ) -> bool:
     """A received chunk (its bounds and overlap already checked by `spans.add`), on the stream or the lane alike: its
-    CRC32C checked (`landed_crc`, where the lane computed it over `data` as it landed) and its digest entry noted;
-    whether its tensor is now whole."""
+    CRC32C checked and its digest entry noted; whether its tensor is now whole."""
     length = len(data)  # type: ignore[arg-type]
-    if (crc32c(data) if landed_crc is None else landed_crc) != crc:  # type: ignore[arg-type]
+    if crc32c(data) != crc:
         raise BadChunk(spans.model, spans.carried.name, offset, length, "fails its CRC32C on arrival")
     entries.append((index, offset, length, crc))
     return spans.complete

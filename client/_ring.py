@@ -32,15 +32,6 @@ import numpy as np
 
 from ._lane import FRAME, READY, FrameHeader, LaneClosed, LaneUnreachable, parse_header, present, recv_exact
 
-try:  # the copy out of the ring and its CRC32C in one pass (client/_native.c), where built and the CPU has SSE4.2
-    from ._native import available as _native
-    from ._native import copy_crc32c
-except ImportError:  # (installed without a C compiler)
-    _native = False
-COPY_WITH_CRC = bool(_native) and os.environ.get("HANDOFF_NATIVE", "1") != "0"
-"""Whether a receiver takes each frame's CRC32C as it copies the frame out of the ring (HANDOFF_NATIVE=0: never,
-as where the native module is missing: numpy copies, then the receiver computes the CRC32C over its copy)."""
-
 # The most a lane's ring holds (a smaller hand-off gets a smaller ring). Measured (2 vCPUs, pull made before the
 # push, medians): 2 MiB moved 16 MiB hand-offs 1.7x and 64 MiB ones 1.4x faster than 8 MiB, and 256 MiB ones as
 # fast, at less broker CPU; 1 MiB was no faster than 2. A small ring has a quarter of the pages to fault in, and they
@@ -210,30 +201,24 @@ class RingFrames:
     def read_header(self) -> FrameHeader:
         return parse_header(self._take(FRAME.size))
 
-    def read_into(self, header: FrameHeader, view: memoryview) -> int | None:
-        """Copy the frame's bytes out of the ring into `view`, piece by piece, and return their CRC32C as computed
-        over `view` on the way (COPY_WITH_CRC; else None). Room is given back a quarter of the ring at a time, and
-        whatever is owed before the receiver waits for the sender: few answers, however small the frames, so the
-        sender, which sends one message a piece, never finds its answers piling up unread while the receiver blocks
-        giving more."""
+    def read_into(self, header: FrameHeader, view: memoryview) -> None:
+        """Copy the frame's bytes out of the ring into `view`, piece by piece. Room is given back a quarter of the
+        ring at a time, and whatever is owed before the receiver waits for the sender: few answers, however small
+        the frames, so the sender, which sends one message a piece, never finds its answers piling up unread while
+        the receiver blocks giving more."""
         destination = np.frombuffer(view, np.uint8)
-        crc = 0 if COPY_WITH_CRC else None
         got = 0
         while got < len(destination):
             (n,) = PIECE.unpack(self._take(PIECE.size))
             at = self._written % self._size
             if not 0 < n <= min(len(destination) - got, self._size - at):
                 raise ValueError(f"a ring piece of {n} bytes at {at} does not fit the frame or the ring")
-            if crc is None:
-                np.copyto(destination[got : got + n], self._memory[at : at + n])
-            else:
-                crc = copy_crc32c(destination[got : got + n], self._memory[at : at + n], crc)
+            np.copyto(destination[got : got + n], self._memory[at : at + n])
             self._written += n
             got += n
             self._room_owed += n
             if self._room_owed >= self._size // 4:
                 self._give_room()
-        return crc
 
     def _give_room(self) -> None:
         """Give the room owed back; a sender that has sent its last frame and closed needs none."""

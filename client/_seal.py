@@ -86,7 +86,7 @@ class SealedFrames:
     def read_header(self) -> FrameHeader:
         return parse_header(self._open(recv_exact(self.sock, SEALED_HEADER_BYTES)))
 
-    def read_into(self, header: FrameHeader, view: memoryview) -> None:  # (its CRC32C: the receiver's to compute)
+    def read_into(self, header: FrameHeader, view: memoryview) -> None:
         """Receive the frame's sealed bytes and open them straight into `view` (its tag checked first)."""
         if len(self._scratch) < header.length + TAG_BYTES:
             self._scratch = bytearray(header.length + TAG_BYTES)

@@ -191,10 +191,10 @@ def received_chunks(
             frame[: len(prefix)] = np.frombuffer(prefix, np.uint8)
             data = memoryview(frame)[len(prefix) :]
             try:
-                landed_crc = frames.read_into(header, data)
+                frames.read_into(header, data)
             except ValueError as e:
                 raise MalformedRequest(f"lane frame: {e}", model) from None
-            yield ChunkFrame(name, header.offset, header.crc, data, frame, landed_crc)  # type: ignore[arg-type]
+            yield ChunkFrame(name, header.offset, header.crc, data, frame)  # type: ignore[arg-type]
     except (OSError, LaneClosed) as e:  # (socket.timeout is an OSError)
         raise LaneBroken(model, f"the push's lane broke: {e}") from None
 

@@ -67,7 +67,7 @@ class PushSession:
             # is held and was checked; this one is not kept.
             return
         self._spans[index].check(chunk.offset, length)  # bounds and overlap before the checksum is paid for
-        if (crc32c(chunk.data) if chunk.landed_crc is None else chunk.landed_crc) != chunk.crc32c:
+        if crc32c(chunk.data) != chunk.crc32c:
             raise BadChunk(self.contract.model, chunk.tensor, chunk.offset, length, "fails its CRC32C on arrival")
         self._record(StoredChunk(index, chunk.offset, length, chunk.crc32c, chunk.frame, chunk.data))
 
