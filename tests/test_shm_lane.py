@@ -8,6 +8,7 @@ lane's wire by hand. (Every test of test_roundtrip, test_claims and test_tensor_
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -20,12 +21,12 @@ from certs import Authority
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import HandoffClient
 from handoff_client._contract import Carried, Contract
-from handoff_client._errors import CallCancelled, LaneBroken
+from handoff_client._errors import BadChunk, CallCancelled, LaneBroken
 from handoff_client._frames import crc32c
 from handoff_client._lane import FRAME, new_capability
 from handoff_client._lane_choice import choose
 from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._ring import PIECE, open_ring_lane
+from handoff_client._ring import PIECE, RingFrames, map_ring, new_ring, open_ring_lane
 from lane_wire import pull_call, push_call, result
 from support import raises_handoff_error
 
@@ -186,6 +187,65 @@ def test_a_ring_piece_that_does_not_fit_its_frame_is_refused_and_frees_everythin
             frames.close()
     assert error.reason == "MALFORMED_REQUEST" and "does not fit" in error.message, error
     assert_holds_nothing(shm_broker)
+
+
+def test_a_frame_failing_its_crc32c_on_the_shared_memory_lane_is_refused_and_frees_everything(shm_broker):
+    data = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
+    with HandoffClient(shm_broker.address) as client:
+        capability = new_capability()
+        call = push_call(client, "r", capability)
+        frames = open_ring_lane(client.lane().path, capability, timeout=10)
+        try:
+            try:
+                frames.send(0, 0, memoryview(data), crc32c(data) ^ 1)
+                frames.end()
+            except OSError:
+                pass  # the broker, refusing the frame, may close the lane first: the call says why
+            error = raises_handoff_error(result, call)
+        finally:
+            frames.close()
+    assert error.reason == "BAD_CHUNK" and "k0" in error.message and "CRC32C" in error.message, error
+    assert_holds_nothing(shm_broker)
+
+
+def test_a_chunk_damaged_in_the_brokers_memory_fails_its_crc32c_at_a_puller_on_the_shared_memory_lane(shm_broker):
+    """The puller checks every frame on its own copy: one bit flipped in the broker's memory after the push's checks
+    is caught."""
+    tensors = seeded_tensors(LARGE)
+    with HandoffClient(shm_broker.address) as client:
+        client.push("large", "r", 1, tensors)
+        (entry,) = shm_broker.store._h.entries.values()
+        np.frombuffer(entry.ordered[0].data, np.uint8)[12345] ^= 1  # damaged as it sat in the broker
+        with pytest.raises(BadChunk, match="fails its CRC32C on arrival"):
+            client.pull("large", "r", timeout=10)
+        assert lane_bytes(shm_broker, "large", "pull", "shm") == 0  # (no pull on that lane went through whole)
+
+
+def test_a_sender_that_rewrites_the_ring_after_announcing_a_piece_only_fails_its_own_frame():
+    """The receiver copies each piece out of the ring into its own memory and checks the CRC32C there: what the
+    sender writes into the ring afterwards never reaches what was checked."""
+    size = 64 << 10
+    fd = new_ring(size)
+    sender_sock, receiver_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sender, receiver = RingFrames(sender_sock, map_ring(fd, size)), RingFrames(receiver_sock, map_ring(fd, size))
+    finally:
+        os.close(fd)
+    try:
+        data = np.random.default_rng(1).integers(0, 256, 48 << 10, dtype=np.uint8)
+        landed = np.full(len(data), 7, np.uint8)
+        sender.send(0, 0, memoryview(data), crc32c(data))
+        receiver.read_into(receiver.read_header(), memoryview(landed))
+        assert landed.tobytes() == data.tobytes()
+
+        sender.send(0, 0, memoryview(data), crc32c(data))
+        header = receiver.read_header()
+        np.frombuffer(sender._ring, np.uint8)[:] = 0  # the whole ring rewritten once the pieces were announced
+        receiver.read_into(header, memoryview(landed))
+        assert not landed.any() and crc32c(landed) != header.crc  # the receiver's check on its copy fails
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_a_puller_that_gives_no_room_back_is_revoked_after_the_lease_and_the_next_pull_gets_it_whole(start_broker):
