@@ -56,6 +56,7 @@ import tempfile
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -757,9 +758,34 @@ def _port_from(path: Path, timeout: float = 30) -> int:
     return int(path.read_text())
 
 
-def _cpu_seconds(pid: int) -> float:
+@dataclass(frozen=True)
+class CpuReading:
+    """A process's CPU time at one moment, read two ways: each of its live threads' run time in nanoseconds
+    (/proc/PID/task/TID/schedstat), and the whole process's in clock ticks (/proc/PID/stat: 10 ms apiece, but
+    counting the threads that have exited too)."""
+
+    threads: dict[int, int]
+    ticks: float
+
+
+def _cpu_now(pid: int) -> CpuReading:
+    threads = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            threads[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # (exited as we read, or no schedstats in this kernel)
+            pass
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return CpuReading(threads, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+
+
+def _cpu_since(pid: int, before: CpuReading) -> float:
+    """CPU seconds the process spent since `before`: to the nanosecond while every thread it had then is still
+    there (each one's run time since, and the whole of any started since); to the clock tick once one has exited."""
+    now = _cpu_now(pid)
+    if not before.threads.keys() <= now.threads.keys():
+        return now.ticks - before.ticks
+    return sum(ns - before.threads.get(tid, 0) for tid, ns in now.threads.items()) / 1e9
 
 
 def _rss(pid: int) -> tuple[int, int]:
@@ -860,12 +886,12 @@ class Bench:
             rows["memcpy x2"].append(r["t1"] - r["t0"])
             consumer = _spawn("tcp-consumer", tcp_port, nbytes)
             _wait_ready(consumer)
-            before = _cpu_seconds(relay.pid)
+            before = _cpu_now(relay.pid)
             rows["tcp relay"].append(_relay_run(_spawn("tcp-producer", tcp_port, nbytes), consumer, nbytes)["seconds"])
-            relay_cpu.append((_cpu_seconds(relay.pid) - before) / (nbytes / (1 << 30)))
-            before = _cpu_seconds(checked.pid)
+            relay_cpu.append(_cpu_since(relay.pid, before) / (nbytes / (1 << 30)))
+            before = _cpu_now(checked.pid)
             rows["checked relay"].append(self.checked_once(checked_port, nbytes)["seconds"])
-            checked_cpu.append((_cpu_seconds(checked.pid) - before) / (nbytes / (1 << 30)))
+            checked_cpu.append(_cpu_since(checked.pid, before) / (nbytes / (1 << 30)))
             key = f"{label}-{run}"
             consumer = _spawn("naive-grpc-consumer", self.naive_port, nbytes, key)
             _wait_ready(consumer)
@@ -888,10 +914,10 @@ class Bench:
                 consumer = _spawn("handoff-consumer", self.target, model, f"{key}-{path}", path)
                 _wait_ready(consumer)
                 time.sleep(0.1)  # the pull is waiting at the broker before the push starts
-                before = _cpu_seconds(self.broker.pid)
+                before = _cpu_now(self.broker.pid)
                 r = _relay_run(_spawn("handoff-producer", self.target, model, f"{key}-{path}", path), consumer, nbytes)
                 rows[name].append(r["seconds"])
-                cpu[path].append((_cpu_seconds(self.broker.pid) - before) / (nbytes / (1 << 30)))
+                cpu[path].append(_cpu_since(self.broker.pid, before) / (nbytes / (1 << 30)))
                 if path == "stream":
                     extra["first_layer_fraction"].append((r["t_first"] - r["t0"]) / (r["t_end"] - r["t0"]))
         relay.wait(timeout=30)
@@ -981,15 +1007,15 @@ class Bench:
         base = _rss(self.broker.pid)[0]
         cpu_per_gib, held_rss = [], 0
         for run in ("cold", "warm"):
-            cpu = _cpu_seconds(self.broker.pid)
+            before = _cpu_now(self.broker.pid)
             _result(_spawn("handoff-producer", self.target, model, f"held-{run}"))
-            cpu_push = _cpu_seconds(self.broker.pid) - cpu
+            cpu_push = _cpu_since(self.broker.pid, before)
             held_rss = held_rss or _rss(self.broker.pid)[0]
             consumer = _spawn("handoff-consumer", self.target, model, f"held-{run}")
             _wait_ready(consumer)
-            cpu = _cpu_seconds(self.broker.pid)
+            before = _cpu_now(self.broker.pid)
             _result(consumer)
-            cpu_per_gib.append((cpu_push + _cpu_seconds(self.broker.pid) - cpu) / (nbytes / (1 << 30)))
+            cpu_per_gib.append((cpu_push + _cpu_since(self.broker.pid, before)) / (nbytes / (1 << 30)))
         peak = _rss(self.broker.pid)[1]
         self.results["memory"] = {
             "bytes_held": nbytes,
