@@ -10,10 +10,11 @@ Every path is three processes on this machine — a producer, a relay in the mid
 verified at the consumer (CRC32C against the producer's). Paths:
     memcpy x2     one process copies the payload twice: the copy limit
     tcp relay     raw sockets through a middle process, 4 MiB buffers, streaming through
-    checked relay the same sockets doing a lane's duties and nothing else: 1 MiB frames with a CRC32C each, which the
-                  producer computes, the relay checks on the copy it keeps (until the transfer ends, as a broker keeps
-                  a hand-off until its confirm) and forwards from another thread, and the consumer checks on its
-                  destination; what checked store-and-forward costs in Python here, with no control plane at all
+    checked relay the same sockets doing a lane's duties and nothing else: 1 MiB frames on the TCP lane's wire, each
+                  with a CRC32C, which the producer computes, the relay checks on the copy it keeps (until the transfer
+                  ends, as a broker keeps a hand-off until its confirm) and forwards from another thread, and the
+                  consumer checks on its destination; what checked store-and-forward costs in Python here, with no
+                  control plane at all
     redis relay   RPUSH / BLPOP of 4 MiB values through redis-server (skipped when there is no redis-server)
     naive grpc    protobuf `bytes` chunks of 1 MiB, client-stream in, store, server-stream out
     tuned grpc    the best relay grpcio's Python API allows, as measured when this project began: 4 MiB messages of
@@ -49,7 +50,6 @@ import re
 import shutil
 import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -203,101 +203,85 @@ def role_tcp_consumer(port: int, nbytes: int) -> None:
 CHECKED_FRAME = 1 * MiB
 # Free bytes the checked relay's heap keeps: more than the largest payload, as a broker keeps up to its --max-bytes.
 RELAY_KEEP = 1 << 30
-CHECKED_HEADER = struct.Struct("<II")  # length (0: the end), CRC32C
-
-
-def _tuned_socket(sock: socket.socket) -> socket.socket:
-    """The lanes' socket settings (handoff_client._lane.tune): large buffers, no Nagle delay."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, RELAY_BUFFER)
-    return sock
-
-
-def _fill(sock: socket.socket, view: memoryview) -> bool:
-    """Fill `view` from the socket; False if it closed first."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
-def _checked_frames(sock: socket.socket):
-    """(length, crc) of each frame header on the socket, to its end marker."""
-    header = bytearray(CHECKED_HEADER.size)
-    while _fill(sock, memoryview(header)) and (fields := CHECKED_HEADER.unpack(header))[0]:
-        yield fields
 
 
 def role_checked_relay(port_file: str, runs: int) -> None:
-    """Receives and checks on one thread, forwards on another, as the broker's push and pipelined pull do."""
+    """The TCP lane's wire (handoff_client._lane: its socket settings, frame headers and end marker) between two
+    raw sockets: receives and checks on one thread, forwards on another, as the broker's push and pipelined pull do."""
     from handoff_client import tune_allocator
+    from handoff_client._lane import read_header, recv_into_exact, send_end, send_frame, tune
 
     tune_allocator(keep=RELAY_KEEP, mmap_threshold=32 * MiB)  # as the broker: pages a transfer freed serve the next
     crc(b"")  # (its module imported before any clock starts)
+    checked: queue.SimpleQueue = queue.SimpleQueue()  # (socket, header, frame) to forward, to the end's header
+    forwarded: queue.SimpleQueue = queue.SimpleQueue()  # each run's socket, once its end marker is sent
+
+    def forward() -> None:  # one thread for every run: a thread per run would leave the CPU reading to clock ticks
+        while True:
+            dst, header, frame = checked.get()
+            if header.end:
+                send_end(dst)
+                forwarded.put(dst)
+            else:
+                send_frame(dst, header.index, header.offset, memoryview(frame), header.crc)
+
+    threading.Thread(target=forward, daemon=True).start()
     server = socket.create_server(("127.0.0.1", 0))
     Path(port_file).write_text(str(server.getsockname()[1]))
     for _ in range(runs):
         peers = {}
         while len(peers) < 2:
             conn, _ = server.accept()
-            peers[conn.recv(1)] = _tuned_socket(conn)
+            tune(conn)
+            peers[conn.recv(1)] = conn
         src, dst = peers[b"P"], peers[b"C"]
         kept: list[np.ndarray] = []
-        checked: queue.SimpleQueue = queue.SimpleQueue()  # (frame, crc) for the forwarding thread; None: the end
-
-        def forward() -> None:
-            while (item := checked.get()) is not None:
-                frame, frame_crc = item
-                dst.sendall(CHECKED_HEADER.pack(len(frame), frame_crc))
-                dst.sendall(memoryview(frame))
-            dst.sendall(CHECKED_HEADER.pack(0, 0))
-
-        forwarding = threading.Thread(target=forward)
-        forwarding.start()
-        for length, expected in _checked_frames(src):
-            frame = np.empty(length, np.uint8)
-            if not _fill(src, memoryview(frame)) or crc(frame) != expected:
-                raise RuntimeError("a frame short or failing its CRC32C")
+        while not (header := read_header(src)).end:
+            frame = np.empty(header.length, np.uint8)
+            recv_into_exact(src, memoryview(frame))
+            if crc(frame) != header.crc:
+                raise RuntimeError("a frame failing its CRC32C")
             kept.append(frame)
-            checked.put((frame, expected))
-        checked.put(None)
-        forwarding.join()
+            checked.put((dst, header, frame))
+        checked.put((dst, header, None))
+        forwarded.get()
         kept.clear()
         src.close()
         dst.close()
 
 
 def role_checked_producer(port: int, nbytes: int) -> None:
+    from handoff_client._lane import send_end, send_frame, tune
+
     data = memoryview(payload(nbytes))
     crc(b"")
-    sock = _tuned_socket(socket.create_connection(("127.0.0.1", port)))
+    sock = socket.create_connection(("127.0.0.1", port))
+    tune(sock)
     sock.sendall(b"P")
     t0 = time.monotonic()
     for at in range(0, nbytes, CHECKED_FRAME):
         frame = data[at : at + CHECKED_FRAME]
-        sock.sendall(CHECKED_HEADER.pack(len(frame), crc(frame)))
-        sock.sendall(frame)
-    sock.sendall(CHECKED_HEADER.pack(0, 0))
+        send_frame(sock, 0, at, frame, crc(frame))
+    send_end(sock)
     sock.close()
     print(json.dumps({"t0": t0}))
 
 
 def role_checked_consumer(port: int, nbytes: int) -> None:
+    from handoff_client._lane import read_header, recv_into_exact, tune
+
     out = destination(nbytes)
     view = memoryview(out)
     crc(b"")
-    sock = _tuned_socket(socket.create_connection(("127.0.0.1", port)))
+    sock = socket.create_connection(("127.0.0.1", port))
+    tune(sock)
     sock.sendall(b"C")
     print("ready", flush=True)
-    got = 0
-    for length, expected in _checked_frames(sock):
-        if not _fill(sock, view[got : got + length]) or crc(view[got : got + length]) != expected:
-            raise RuntimeError("a frame short or failing its CRC32C")
-        got += length
+    while not (header := read_header(sock)).end:
+        landing = view[header.offset : header.offset + header.length]
+        recv_into_exact(sock, landing)
+        if crc(landing) != header.crc:
+            raise RuntimeError("a frame failing its CRC32C")
     t1 = time.monotonic()
     print(json.dumps({"t1": t1, "crc": crc(out)}))
 
@@ -780,12 +764,13 @@ def _cpu_now(pid: int) -> CpuReading:
 
 
 def _cpu_since(pid: int, before: CpuReading) -> float:
-    """CPU seconds the process spent since `before`: to the nanosecond while every thread it had then is still
-    there (each one's run time since, and the whole of any started since); to the clock tick once one has exited."""
+    """CPU seconds the process spent since `before`: to the nanosecond (its threads' run times since, a thread started
+    since counting whole) where those add up to the process's own clock-tick count within two ticks; else that
+    count, which also holds the threads that exited meanwhile (one started and gone within the run is in no list)."""
     now = _cpu_now(pid)
-    if not before.threads.keys() <= now.threads.keys():
-        return now.ticks - before.ticks
-    return sum(ns - before.threads.get(tid, 0) for tid, ns in now.threads.items()) / 1e9
+    ticks = now.ticks - before.ticks
+    threads = sum(ns - before.threads.get(tid, 0) for tid, ns in now.threads.items()) / 1e9
+    return threads if abs(threads - ticks) <= 2 / os.sysconf("SC_CLK_TCK") else ticks
 
 
 def _rss(pid: int) -> tuple[int, int]:
