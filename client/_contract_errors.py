@@ -135,7 +135,8 @@ class PositionOutOfRange(ContractViolation):
 
     def __init__(self, model: str, position: int, ctx: int) -> None:
         super().__init__(
-            f"{model}: after {position} tokens the next decode writes row {position + 1} of a cache of {ctx}",
+            f"{model}: after {position} tokens the next decode writes row {position} (counted from 0); "
+            f"a cache of {ctx} has rows 0 to {ctx - 1}",
             model=model,
             position=position,
             ctx=ctx,

@@ -79,7 +79,10 @@ def test_a_position_needs_the_next_row_in_the_cache():
     DEMO.check(demo_handoff(position=DEMO.ctx - 1))
     with pytest.raises(PositionOutOfRange) as e:
         DEMO.check(demo_handoff(position=DEMO.ctx))
-    assert str(e.value) == "demo-hybrid: after 4096 tokens the next decode writes row 4097 of a cache of 4096"
+    assert str(e.value) == (
+        "demo-hybrid: after 4096 tokens the next decode writes row 4096 (counted from 0); "
+        "a cache of 4096 has rows 0 to 4095"
+    )
 
 
 def test_an_unknown_tensor_is_reported_before_a_missing_one_as_the_seed_orders_them():

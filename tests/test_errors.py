@@ -88,7 +88,9 @@ def test_a_push_from_a_different_contract_is_refused_with_both_fingerprints(brok
 def test_a_position_past_the_cache_is_out_of_range(broker, contract, good_frames):
     error = push_error(broker, [header_frame(contract, "r", position=contract.ctx), *good_frames])
     assert isinstance(error, PositionOutOfRange) and error.code is grpc.StatusCode.OUT_OF_RANGE
-    assert error.message == "every-dtype: after 64 tokens the next decode writes row 65 of a cache of 64"
+    assert error.message == (
+        "every-dtype: after 64 tokens the next decode writes row 64 (counted from 0); a cache of 64 has rows 0 to 63"
+    )
 
 
 def test_a_chunk_of_a_tensor_the_contract_does_not_carry_is_refused_by_name(broker, contract, good_frames):
