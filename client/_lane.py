@@ -246,21 +246,25 @@ class StripedFrames:
     def _next_ready(self, parts: list[Frames], writing: bool) -> Frames:
         """The next of `parts`, in turn, ready to be written to (or read from) without waiting; waits for one up to
         the lane's timeout (TimeoutError), LaneClosed if the lane was closed under the wait."""
+        # poll(), not select(): select() cannot watch a descriptor numbered 1024 or more, which a process with many
+        # files or connections open (a broker under load, a decoder with a model's files) gives its sockets.
         try:
-            socks = [part.sock for part in parts]
-            readable, writable, _ = select.select([] if writing else socks, socks if writing else [], [],
-                                                  self.sock.gettimeout())  # fmt: skip
+            poller = select.poll()
+            for part in parts:
+                poller.register(part.sock, select.POLLOUT if writing else select.POLLIN)
+            timeout = self.sock.gettimeout()
+            events = poller.poll(None if timeout is None else timeout * 1000)
         except (ValueError, OSError) as e:  # a socket closed by another thread (the call revoked, say)
             raise LaneClosed(f"the lane was closed: {e}") from None
-        ready = set(writable if writing else readable)
+        ready = {fd for fd, _ in events}  # (an error or a hang-up counts: the send or read then says what it was)
         if not ready:
             raise TimeoutError("no connection of the striped lane was ready in time")
         for step in range(len(parts)):
             part = parts[(self._turn + step) % len(parts)]
-            if part.sock in ready:
+            if part.sock.fileno() in ready:
                 self._turn = (self._turn + step + 1) % len(parts)
                 return part
-        raise AssertionError("select answered a socket it was not asked about")
+        raise LaneClosed("the lane was closed while it was being waited on")
 
 
 def lane_host(lane_host: str, target: str) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import resource
 import socket
 
 import numpy as np
@@ -72,6 +74,33 @@ def test_a_hand_off_striped_over_several_connections_arrives_bit_for_bit_both_wa
              for kind in ("push", "pull")}  # fmt: skip
     assert moved == {"push": LARGE.nbytes, "pull": LARGE.nbytes}
     assert_holds_nothing(lane_broker)
+
+
+def test_a_striped_lane_works_with_its_sockets_numbered_past_1024(lane_broker, caplog):
+    """select() cannot watch a descriptor numbered 1024 or more: with 1,100 files open, every striped push and pull
+    once failed ("filedescriptor out of range in select()") and fell back to the stream. Here the client and the
+    broker share the process, so both sides' sockets are numbered past 1,100."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1400
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        tensors = seeded_tensors(LARGE)
+        with HandoffClient(lane_broker.address, lane_connections=4) as client:
+            client.push("large", "r", 1, tensors)
+            assert_same_bits(client.pull("large", "r").state, tensors)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    fallbacks = [r.getMessage() for r in caplog.records if getattr(r, "lane_fallback", False)]
+    assert not fallbacks, fallbacks
+    moved = [lane_broker.registry.get_sample_value("handoff_lane_bytes_total",
+                                                   {"model": "large", "kind": kind, "lane": "tcp"})
+             for kind in ("push", "pull")]  # fmt: skip
+    assert moved == [LARGE.nbytes, LARGE.nbytes]
 
 
 def test_a_sealed_lane_is_striped_with_every_connection_sealed_under_its_own_key(start_broker):
