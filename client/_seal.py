@@ -24,10 +24,11 @@ from __future__ import annotations
 import socket
 import struct
 
-from ._lane import FRAME, INFO, FrameHeader, LaneClosed, hkdf_sha256, parse_header, recv_exact, recv_into_exact
+from ._lane import FRAME, INFO, FrameHeader, LaneClosed, hkdf_sha256, parse_header, recv_exact
 
 TAG_BYTES = 16
 SEALED_HEADER_BYTES = FRAME.size + TAG_BYTES
+PIECE_BYTES = 1 << 20  # the most of a sealed frame's bytes received before they are opened into their destination
 _NONCE = struct.Struct("<QI")
 
 
@@ -62,9 +63,10 @@ class SealedFrames:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         self.sock = sock
-        self._aead = AESGCM(lane_key(capability, direction))
+        self._key = lane_key(capability, direction)
+        self._aead = AESGCM(self._key)
         self._messages = 0
-        self._scratch = bytearray()  # a received frame's sealed bytes, reused
+        self._scratch: memoryview | None = None  # a received frame's sealed bytes as they come, PIECE_BYTES at most
 
     def _nonce(self) -> bytes:
         nonce = _NONCE.pack(self._messages, 0)
@@ -87,15 +89,25 @@ class SealedFrames:
         return parse_header(self._open(recv_exact(self.sock, SEALED_HEADER_BYTES)))
 
     def read_into(self, header: FrameHeader, view: memoryview) -> None:
-        """Receive the frame's sealed bytes and open them straight into `view` (its tag checked first)."""
-        if len(self._scratch) < header.length + TAG_BYTES:
-            self._scratch = bytearray(header.length + TAG_BYTES)
-        sealed = memoryview(self._scratch)[: header.length + TAG_BYTES]
-        recv_into_exact(self.sock, sealed)
+        """Receive the frame's sealed bytes a piece at a time (PIECE_BYTES at most) and open each into `view` as it
+        comes, then check the frame's tag: what this holds grows only as bytes arrive, whatever length the header
+        claims. The bytes opened into `view` count only once the tag is checked; if it fails, the lane ends
+        (LaneClosed) and the caller discards `view`, as it does a frame cut short."""
         from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+        opening = Cipher(algorithms.AES(self._key), modes.GCM(self._nonce())).decryptor()
+        if self._scratch is None or len(self._scratch) < min(header.length, PIECE_BYTES):
+            self._scratch = memoryview(bytearray(min(header.length, PIECE_BYTES)))
+        got = 0
+        while got < header.length:
+            n = self.sock.recv_into(self._scratch[: header.length - got])
+            if n == 0:
+                raise LaneClosed(f"the lane closed after {got} of the frame's {header.length} bytes")
+            opening.update_into(self._scratch[:n], view[got : got + n])
+            got += n
         try:
-            self._aead.decrypt_into(self._nonce(), sealed, None, view)
+            opening.finalize_with_tag(recv_exact(self.sock, TAG_BYTES))
         except InvalidTag:
             raise LaneClosed("a sealed frame failed its authentication (altered, replayed or out of order)") from None
 

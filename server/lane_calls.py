@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 from handoff_client._contract import Contract
@@ -163,12 +163,22 @@ def lane_for_pull(offers: list[pb.Lane], kind: pb.LaneKind.ValueType, nbytes: in
 
 
 def received_chunks(
-    frames: Frames, contract: Contract, model: str, idle_timeout: float, max_bytes: int
+    frames: Frames,
+    contract: Contract,
+    model: str,
+    idle_timeout: float,
+    max_bytes: int,
+    check: Callable[[int, int, int], None],
 ) -> Iterator[ChunkFrame]:
     """A push's chunks as they come on its lane, to its end marker. Each is read into a buffer that already holds its
     stream frame's prefix, so the chunk is stored as the very frame a puller on the stream is sent (and its CRC32C is
     checked there, on the broker's own copy). A lane silent for `idle_timeout` s, or closed before its end marker, is
-    LaneBroken."""
+    LaneBroken.
+
+    A frame's buffer is allocated only once its header has passed every bound: the lane's longest frame
+    (`max_bytes`), and `check(index, offset, length)` (the push's: within its tensor, over nothing received, so
+    within what the call reserved). It is not zeroed, and its pages are touched only as the bytes arrive: a header
+    that claims more than its sender sends holds no more memory than was sent (docs/lanes.md, "What a lane holds")."""
     for sock in frames.socks if isinstance(frames, StripedFrames) else [frames.sock]:
         sock.settimeout(idle_timeout)
     try:
@@ -185,6 +195,7 @@ def received_chunks(
                 )
             if header.length > max_bytes:
                 raise MessageTooLarge(model, header.length, max_bytes)
+            check(header.index, header.offset, header.length)
             name = contract.carried[header.index].name
             prefix = chunk_prefix(name, header.offset, header.length, header.crc)
             frame = np.empty(len(prefix) + header.length, np.uint8)  # (not zeroed first, as a bytearray would be)

@@ -59,6 +59,12 @@ class PushSession:
         self._received = received if received is not None else []
         self._held_before = held_before
 
+    def check_frame(self, index: int, offset: int, length: int) -> None:
+        """Whether a lane frame of tensor `index` (`contract.carried`) could be added now: within its tensor, over no
+        byte already received (BadChunk naming the tensor and its size if not). A lane's receiver asks before it
+        allocates the frame's buffer, so a header can never make the broker allocate past what the call reserved."""
+        self._spans[index].check(offset, length)
+
     def add(self, chunk: ChunkFrame) -> None:
         index = self.contract.index(chunk.tensor)
         length = len(chunk.data)

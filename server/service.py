@@ -166,7 +166,7 @@ class HandoffBrokerServicer:
                 if lane is not None:
                     frames = lane.open(self.idle_timeout, session.contract.nbytes, "push")
                     for chunk in received_chunks(frames, session.contract, header.model, self.idle_timeout,
-                                                 self.max_message_bytes):  # fmt: skip
+                                                 self.max_message_bytes, session.check_frame):  # fmt: skip
                         session.add(chunk)
                 for message in requests:  # (after a lane, nothing more may come)
                     if lane is not None:
