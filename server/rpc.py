@@ -17,6 +17,8 @@ from handoff_client._errors import HandoffError, InternalError, MalformedRequest
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import SERVICE, Malformed, decode_push_request, identity, message_classes
 
+from .holdings import check_id
+
 logger = logging.getLogger("handoff_broker.service")
 
 
@@ -24,6 +26,16 @@ class Refusals(Protocol):
     """The servicer, as the error mapping sees it: told of each refusal (to count and log it)."""
 
     def _refused(self, rpc: str, error: HandoffError) -> None: ...
+
+
+def check_request(request: object) -> None:
+    """What every request must be before its handler runs: one that did not parse is MALFORMED_REQUEST, and one
+    that names a hand-off names it by the one rule (1-256 printable characters: `check_id`), whichever RPC it is."""
+    if isinstance(request, Malformed):
+        raise MalformedRequest(request.why)
+    descriptor = getattr(request, "DESCRIPTOR", None)
+    if descriptor is not None and "handoff_id" in descriptor.fields_by_name:
+        check_id(getattr(request, "model", "") or None, request.handoff_id)  # type: ignore[attr-defined]
 
 
 def abort_with(context: grpc.ServicerContext, error: HandoffError) -> None:
@@ -36,8 +48,7 @@ def mapped(method: Callable) -> Callable:
     @functools.wraps(method)
     def handler(self: Refusals, request: object, context: grpc.ServicerContext) -> object:
         try:
-            if isinstance(request, Malformed):
-                raise MalformedRequest(request.why)
+            check_request(request)
             return method(self, request, context)
         except HandoffError as e:
             self._refused(method.__name__, e)
@@ -59,8 +70,7 @@ def mapped_stream(method: Callable) -> Callable:
     @functools.wraps(method)
     def handler(self: Refusals, request: object, context: grpc.ServicerContext) -> Iterator[object]:
         try:
-            if isinstance(request, Malformed):
-                raise MalformedRequest(request.why)
+            check_request(request)
             yield from method(self, request, context)
         except HandoffError as e:
             self._refused(method.__name__, e)

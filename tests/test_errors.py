@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import (
     AlreadyClaimed,
@@ -29,8 +28,10 @@ from handoff_client import (
     WaitTimedOut,
     WrongLength,
 )
+from handoff_client._errors import from_rpc_error
 from handoff_client._frames import encode_chunk
 from handoff_client._proto import handoff_pb2 as pb
+from handoff_client._wire import method_path
 from support import chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
 
 MODEL = "every-dtype"  # 9 tensors of 7 x 13, one per dtype
@@ -280,3 +281,36 @@ def test_the_client_refuses_the_same_faults_with_the_same_errors(broker, client,
     for local, remote in cases:
         assert type(local) is type(remote)
         assert local.message == remote.message
+
+
+BAD_IDS = ["", "x" * 257, "x" * 20_000, "tab\there", "nul\x00", "line\nbreak"]
+
+
+@pytest.mark.parametrize("rpc", ["ConfirmHandoff", "CancelHandoff", "GetPushProgress", "PullHandoff", "PushHandoff"])
+def test_every_rpc_naming_a_hand_off_checks_its_id_by_the_one_rule(broker, contract, rpc):
+    """Sent raw (the client checks ids too), each RPC that names a hand-off refuses an id that is empty, longer than
+    256 characters or not printable with INVALID_ARGUMENT saying the rule: ConfirmHandoff and GetPushProgress once
+    took any id and answered NOT_FOUND."""
+    requests = {
+        "ConfirmHandoff": lambda bad: pb.ConfirmRequest(model=MODEL, handoff_id=bad, claim=1),
+        "CancelHandoff": lambda bad: pb.CancelRequest(model=MODEL, handoff_id=bad),
+        "GetPushProgress": lambda bad: pb.PushProgressRequest(model=MODEL, handoff_id=bad),
+        "PullHandoff": lambda bad: pb.PullRequest(model=MODEL, handoff_id=bad),
+    }
+    with open_channel(broker.address) as channel:
+        for bad in BAD_IDS:
+            if rpc == "PushHandoff":
+                error = push_error(broker, [header_frame(contract, bad)])
+            else:
+                call = getattr(channel, "unary_stream" if rpc == "PullHandoff" else "unary_unary")(
+                    method_path(rpc), request_serializer=lambda m: m.SerializeToString()
+                )
+                try:
+                    list(call(requests[rpc](bad), timeout=10)) if rpc == "PullHandoff" else call(requests[rpc](bad))
+                except grpc.RpcError as e:
+                    error = from_rpc_error(e)
+                else:
+                    raise AssertionError(f"{rpc} took the id {bad[:20]!r}")
+            assert error.code == grpc.StatusCode.INVALID_ARGUMENT, (rpc, bad[:20], error)
+            assert error.reason == "MALFORMED_REQUEST" and "1..256 printable characters" in error.message, error
+            assert len(error.message) < 400  # the id is echoed bounded
