@@ -11,6 +11,18 @@ request, whose first `position` tokens are then pulled instead of computed (exam
 _settings.py. Needs the `vllm` extra: `pip install 'handoff-broker[vllm]'`.
 """
 
-from ._connector import HandoffConnector
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["HandoffConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    """`HandoffConnector` is imported when vLLM asks for it, so the page layouts (_layouts, _pages, _mla_pages,
+    _state_pages: torch only) import where vLLM is not installed (benchmarks/gpu_pages.py on a bare GPU machine)."""
+    if name == "HandoffConnector":
+        from ._connector import HandoffConnector
+
+        return HandoffConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

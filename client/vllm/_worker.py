@@ -40,6 +40,7 @@ from handoff_client._errors import FingerprintMismatch
 from handoff_client._torch import from_numpy, to_numpy
 
 from ._layouts import Geometry, PageLayout, layout_for
+from ._pages import cache_writer
 from ._scheduler import HandoffConnectorMetadata, LoadSpec, SaveSpec
 from ._settings import ConnectorSettings
 from ._stats import HandoffConnectorStats
@@ -90,7 +91,8 @@ class WorkerHalf:
             if len(keys) != 1 or len(values) != 1:
                 raise ValueError(f"{self.contract.model}: layer {index.group(1)} has no key and value cache to carry")
             geometry = Geometry(keys[0].heads or 1, keys[0].head_dim or keys[0].cols, cache.block_size)
-            self.layouts[layer_name] = layout_for(backend, geometry, pages.dtype, self._isa(backend, geometry))
+            self.layouts[layer_name] = layout_for(backend, geometry, pages.dtype, self._isa(backend, geometry),
+                                                  pages=pages, writer=cache_writer(self.vllm_config, layer_name))  # fmt: skip
             self.pages[layer_name] = pages
             self.tensors[layer_name] = (keys[0].name, values[0].name)
             self.layer_of.update({keys[0].name: layer_name, values[0].name: layer_name})

@@ -1,0 +1,114 @@
+"""CPU_ATTN's pages: `[kernel_blocks, kv_heads, kernel_block, 2·head_dim]`, and within a block and head the keys and
+values in whatever order the kernel for the host's ISA keeps them (the `vec` kernels store K transposed). Learned
+once at start-up by writing index-coded tokens through vLLM's own cache writer (`cpu_attn_reshape_and_cache`) and
+reading where each landed: never a guess. The `vec` layout so learned is moved by strided copies
+(CpuAttnVecLayout), any other element by element (PermutedLayout)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._layouts import Geometry, PageLayout, UnsupportedLayout
+
+
+class PermutedLayout(PageLayout):
+    """Pages of [blocks, ...] whose elements within a block are a fixed permutation of the logical
+    (2, block, kv_heads, head_dim) order: `where[i]` is the page element holding logical element i."""
+
+    def __init__(self, geometry: Geometry, where: torch.Tensor, name: str) -> None:
+        super().__init__(geometry)
+        self.where = where
+        self.name = name
+
+    def _shape(self) -> tuple[int, ...]:
+        g = self.geometry
+        return (-1, 2, g.kernel, g.kv_heads, g.head_dim)
+
+    def _blocks(self, pages: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor(ids, dtype=torch.long, device=pages.device)
+        flat = pages.reshape(pages.shape[0], -1)[index]
+        logical = flat[:, self.where.to(pages.device)].reshape(self._shape())
+        return logical[:, 0], logical[:, 1]
+
+    def _store(self, pages: torch.Tensor, ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        index = torch.tensor(ids, dtype=torch.long, device=pages.device)
+        flat = pages.reshape(pages.shape[0], -1)
+        blocks = flat[index]
+        blocks[:, self.where.to(pages.device)] = torch.stack((keys, values), dim=1).reshape(len(ids), -1)
+        flat[index] = blocks
+
+
+class CpuAttnVecLayout(PageLayout):
+    """CPU_ATTN's pages as its `vec` kernels keep them, [blocks, kv_heads, block, 2·head_dim]: within a block and
+    head, the keys transposed ([head_dim, block]) and then the values ([block, head_dim]). Strided views, so a
+    gather or scatter is a few block copies, not an element-by-element permutation."""
+
+    def _views(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.geometry
+        flat = blocks.reshape(blocks.shape[0], g.kv_heads, 2 * g.kernel * g.head_dim)
+        keys = flat[:, :, : g.kernel * g.head_dim].reshape(-1, g.kv_heads, g.head_dim, g.kernel).permute(0, 3, 1, 2)
+        values = flat[:, :, g.kernel * g.head_dim :].reshape(-1, g.kv_heads, g.kernel, g.head_dim).permute(0, 2, 1, 3)
+        return keys, values  # each (n, block, kv_heads, head_dim), views of `blocks`
+
+    def _blocks(self, pages: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor(ids, dtype=torch.long, device=pages.device)
+        keys, values = self._views(pages[index])
+        return keys.contiguous(), values.contiguous()
+
+    def _store(self, pages: torch.Tensor, ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        index = torch.tensor(ids, dtype=torch.long, device=pages.device)
+        blocks = torch.empty((len(ids), *pages.shape[1:]), dtype=pages.dtype, device=pages.device)
+        key_view, value_view = self._views(blocks)
+        key_view.copy_(keys)
+        value_view.copy_(values)
+        pages[index] = blocks
+
+
+def cpu_attn_layout(geometry: Geometry, dtype: torch.dtype, isa: str) -> PageLayout:
+    """CPU_ATTN's pages for `isa`, as learned by `learn_cpu_attn_pages`; where that is the `vec` kernels' layout,
+    its strided form (CpuAttnVecLayout) is used, any other is moved element by element (PermutedLayout)."""
+    where = learn_cpu_attn_pages(geometry, dtype, isa)
+    g = geometry
+    strided = CpuAttnVecLayout(geometry)
+    strided.name = f"CPU_ATTN ({isa})"
+    probe = torch.arange(where.numel(), dtype=torch.long).reshape(1, g.kv_heads, g.kernel, 2 * g.head_dim)
+    keys, values = strided._blocks(probe, [0])
+    if torch.equal(torch.stack((keys, values), dim=1).reshape(-1), where):
+        return strided
+    return PermutedLayout(geometry, where, f"CPU_ATTN ({isa})")
+
+
+def learn_cpu_attn_pages(geometry: Geometry, dtype: torch.dtype, isa: str) -> torch.Tensor:
+    """Where CPU_ATTN's cache writer for `isa` puts each logical element of a block (PermutedLayout's `where`):
+    index-coded keys and values (base-256 digits, exact in every float dtype) are written into one block through
+    vLLM's own `cpu_attn_reshape_and_cache`, and each page element's logical index read back. UnsupportedLayout
+    if the writer leaves any element unwritten or writes one twice."""
+    from vllm import _custom_ops as ops
+
+    g = geometry
+    per_plane = g.kernel * g.kv_heads * g.head_dim
+    total = 2 * per_plane
+    logical = torch.arange(total, dtype=torch.long)
+    found = torch.zeros(total, dtype=torch.long)
+    slots = torch.arange(g.kernel, dtype=torch.long)
+    for digit in range(max(1, math.ceil(math.log(total, 256)))):
+        code = (logical // 256**digit % 256).to(dtype)
+        keys = code[:per_plane].reshape(g.kernel, g.kv_heads, g.head_dim).contiguous()
+        values = code[per_plane:].reshape(g.kernel, g.kv_heads, g.head_dim).contiguous()
+        cache = torch.full((1, g.kv_heads, g.kernel, 2 * g.head_dim), -1.0, dtype=dtype)
+        split = cache.view(1, g.kv_heads, g.kernel * 2, -1)
+        key_cache, value_cache = split.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(
+            keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+        )
+        read = cache.reshape(-1).to(torch.float32)
+        if (read < 0).any():
+            raise UnsupportedLayout(f"CPU_ATTN ({isa}): the cache writer left page elements unwritten")
+        found += read.to(torch.long) * 256**digit
+    if not torch.equal(torch.sort(found).values, logical):
+        raise UnsupportedLayout(f"CPU_ATTN ({isa}): the cache writer's pages are not a permutation of the tokens")
+    where = torch.empty(total, dtype=torch.long)
+    where[found] = torch.arange(total, dtype=torch.long)
+    return where
