@@ -4,6 +4,8 @@ status."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
 
 from ._error_base import HandoffError
@@ -135,9 +137,10 @@ class ShardMismatch(Precondition):
 
 
 class DeadlineExceeded(HandoffError):
-    """The call's deadline passed."""
+    """The call's deadline passed before any answer."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "DEADLINE_EXCEEDED"
 
 
 class WaitTimedOut(DeadlineExceeded):
@@ -204,6 +207,7 @@ class BrokerUnavailable(HandoffError):
     """The broker cannot be reached or will not take the call now; another broker, or a retry, may."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    reason = "BROKER_UNAVAILABLE"
 
 
 class Draining(BrokerUnavailable):
@@ -227,9 +231,10 @@ class LaneBroken(BrokerUnavailable):
 
 
 class CallCancelled(HandoffError):
-    """The call was cancelled."""
+    """The call was cancelled: by its caller, or by the broker ending a call it may not keep (silent, stalled)."""
 
     code = grpc.StatusCode.CANCELLED
+    reason = "CALL_CANCELLED"
 
 
 class HandoffCancelled(CallCancelled):
@@ -301,9 +306,17 @@ class InternalError(HandoffError):
 
 
 class RpcFailed(HandoffError):
-    """A gRPC failure that carries none of our reasons; `status` keeps its code."""
+    """A gRPC failure that carries none of our reasons; `status` keeps its code (and metadata `code` names it)."""
+
+    reason = "RPC_FAILED"
 
     def __init__(self, status: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{status.name}: {message}")
+        super().__init__(f"{status.name}: {message}", code=status.name)
         self.status = status
         self.code = status  # type: ignore[misc]  # this instance's real code, not the class's UNKNOWN
+
+    @classmethod
+    def _rebuild(cls, message: str, fields: Mapping[str, str]) -> HandoffError:
+        error = super()._rebuild(message, fields)
+        error.status = error.code = grpc.StatusCode.__members__.get(fields.get("code", ""), grpc.StatusCode.UNKNOWN)  # type: ignore[attr-defined,misc]
+        return error

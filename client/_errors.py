@@ -21,22 +21,22 @@
     │   ├── AlreadyClaimed            another decode worker holds the claim
     │   ├── StaleClaim                a confirm from a superseded claim
     │   └── ShardMismatch             a TP size other than the hand-off's other ranks use
-    ├── DeadlineExceeded                                                                 DEADLINE_EXCEEDED
+    ├── DeadlineExceeded              the call's deadline passed                         DEADLINE_EXCEEDED
     │   └── WaitTimedOut              the hand-off did not come in time
     ├── CapacityExhausted             no room for the hand-off's bytes now               RESOURCE_EXHAUSTED
     ├── MessageTooLarge               a message over the broker's limit                  RESOURCE_EXHAUSTED
     ├── BrokerBusy                    at its limit of open streams or waiting calls      RESOURCE_EXHAUSTED
-    ├── BrokerUnavailable             the broker cannot be reached                       UNAVAILABLE
+    ├── BrokerUnavailable             the broker cannot be reached (BROKER_UNAVAILABLE)  UNAVAILABLE
     │   ├── Draining                  the broker is shutting down; go elsewhere
     │   └── LaneBroken                the call's lane was not opened in time, or broke
-    ├── CallCancelled                                                                    CANCELLED
+    ├── CallCancelled                 cancelled by its caller, or ended by the broker    CANCELLED
     │   └── HandoffCancelled          the router cancelled the hand-off
     ├── PushAborted                   the push a pull was streaming failed; discard it   ABORTED
     ├── Unauthenticated               no token, or an unknown one                        UNAUTHENTICATED
     ├── PermissionDenied              the token's roles or models do not cover the call  PERMISSION_DENIED
     ├── DigestMismatch                what a pull received does not match its digest     DATA_LOSS
     ├── InternalError                 a bug in the broker; the detail is in its log      INTERNAL
-    └── RpcFailed                     any other gRPC failure, code kept
+    └── RpcFailed                     any other gRPC failure, code kept (RPC_FAILED)     its own
 
 The broker raises these and `to_status` turns one into a google.rpc.Status whose ErrorInfo (domain "handoff.v1")
 names the reason and carries the fields; the client's `from_rpc_error` turns that back into the same class with the
@@ -97,49 +97,49 @@ from ._contract_errors import (
 from ._error_base import DOMAIN, MAX_FIELD_CHARS, MAX_MESSAGE_CHARS, HandoffError, ManifestError, bounded
 
 __all__ = [
+    "BY_REASON",
     "DOMAIN",
     "MAX_FIELD_CHARS",
     "MAX_MESSAGE_CHARS",
-    "HandoffError",
-    "ManifestError",
-    "bounded",
-    "ContractViolation",
-    "UnknownTensor",
-    "MissingTensor",
-    "WrongLength",
-    "WrongLayout",
-    "BadChunk",
-    "NotInShard",
-    "ShardLayout",
-    "PositionOutOfRange",
-    "MalformedRequest",
-    "NotFound",
-    "UnknownModel",
-    "UnknownHandoff",
-    "HandoffGone",
-    "HandoffExists",
-    "Precondition",
-    "FingerprintMismatch",
     "AlreadyClaimed",
-    "StaleClaim",
-    "ShardMismatch",
-    "DeadlineExceeded",
-    "WaitTimedOut",
-    "CapacityExhausted",
-    "MessageTooLarge",
+    "BadChunk",
     "BrokerBusy",
     "BrokerUnavailable",
-    "Draining",
-    "LaneBroken",
     "CallCancelled",
-    "HandoffCancelled",
-    "PushAborted",
-    "Unauthenticated",
-    "PermissionDenied",
+    "CapacityExhausted",
+    "ContractViolation",
+    "DeadlineExceeded",
     "DigestMismatch",
+    "Draining",
+    "FingerprintMismatch",
+    "HandoffCancelled",
+    "HandoffError",
+    "HandoffExists",
+    "HandoffGone",
     "InternalError",
+    "LaneBroken",
+    "MalformedRequest",
+    "ManifestError",
+    "MessageTooLarge",
+    "MissingTensor",
+    "NotFound",
+    "NotInShard",
+    "PermissionDenied",
+    "PositionOutOfRange",
+    "Precondition",
+    "PushAborted",
     "RpcFailed",
-    "BY_REASON",
+    "ShardLayout",
+    "ShardMismatch",
+    "StaleClaim",
+    "Unauthenticated",
+    "UnknownHandoff",
+    "UnknownModel",
+    "UnknownTensor",
+    "WaitTimedOut",
+    "WrongLayout",
+    "WrongLength",
+    "bounded",
     "from_rpc_error",
     "from_status",
     "to_status",
@@ -159,10 +159,14 @@ BY_REASON: dict[str, type[HandoffError]] = {cls.reason: cls for cls in _concrete
 """Every error kind that travels, by its ErrorReason name."""
 
 _BY_CODE: dict[grpc.StatusCode, type[HandoffError]] = {
-    grpc.StatusCode.UNAVAILABLE: BrokerUnavailable,
+    grpc.StatusCode.UNAVAILABLE: BrokerUnavailable,  # no connection, or the broker went away: BROKER_UNAVAILABLE
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: CallCancelled,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,  # (a TLS handshake or a proxy's check, before the broker's)
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
+"""What a status carrying none of our reasons is, by its code; any other code is RpcFailed (RPC_FAILED), its code
+kept. So every failure a caller sees has a reason of the error model, never ERROR_REASON_UNSPECIFIED."""
 
 
 def to_status(error: HandoffError) -> status_pb2.Status:
@@ -188,12 +192,12 @@ def from_status(code: grpc.StatusCode, message: str, details: list[any_pb2.Any])
     by_code = _BY_CODE.get(code)
     if by_code is not None:
         return by_code._rebuild(message, {})
-    return RpcFailed(code, message)
+    return RpcFailed(code if code in grpc.StatusCode else grpc.StatusCode.UNKNOWN, message)
 
 
 def from_rpc_error(error: grpc.RpcError) -> HandoffError:
     """Our exception for a failed call, read from its status details (trailing metadata)."""
-    from grpc_status import rpc_status  # noqa: PLC0415 - only failed calls pay for the import
+    from grpc_status import rpc_status
 
     code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
     message = error.details() if isinstance(error, grpc.Call) else str(error)

@@ -3,19 +3,19 @@ bytes protoc's code writes and reads, the servicer implements every RPC, and eve
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2
-from hypothesis import given
-from hypothesis import strategies as st
-
 from handoff_broker.service import HandoffBrokerServicer
-from handoff_client import _errors
+from handoff_client import HandoffClient, RetryPolicy, _errors
 from handoff_client._frames import ChunkFrame, crc32c, decode_chunk, encode_chunk
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import SERVICE, Malformed, decode_pull_response, decode_push_request
+from hypothesis import given
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,6 +139,10 @@ EXAMPLES = [
     _errors.NotInShard("m", "t", 1, 2, "it is not split, and rank 0 pushes it"),
     _errors.ShardLayout("m", "`t` has 6 heads, which 4 ranks cannot share", "t"),
     _errors.ShardMismatch("m", "r", "pushed", 2, 4),
+    _errors.BrokerUnavailable("failed to connect to all addresses"),
+    _errors.CallCancelled("the call was cancelled"),
+    _errors.DeadlineExceeded("Deadline Exceeded"),
+    _errors.RpcFailed(grpc.StatusCode.UNIMPLEMENTED, "Method not found"),
 ]
 
 
@@ -159,3 +163,38 @@ def test_a_status_without_our_details_maps_by_its_code():
     assert type(_errors.from_status(grpc.StatusCode.UNAVAILABLE, "down", [])) is _errors.BrokerUnavailable
     other = _errors.from_status(grpc.StatusCode.UNIMPLEMENTED, "nope", [])
     assert isinstance(other, _errors.RpcFailed) and other.status is grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("code", [c for c in grpc.StatusCode if c is not grpc.StatusCode.OK], ids=lambda c: c.name)
+def test_every_grpc_failure_maps_to_a_reason_of_the_error_model_and_keeps_its_code(code):
+    """A status without our details (a proxy's, gRPC's own, a broker that cannot be reached) still becomes an error
+    with a reason the .proto declares, never ERROR_REASON_UNSPECIFIED; the vLLM connector once logged a broker it
+    could not reach as `ERROR_REASON_UNSPECIFIED failed to connect to all addresses`."""
+    error = _errors.from_status(code, "what gRPC said", [])
+    assert error.reason in set(pb.ErrorReason.keys()) and error.reason != "ERROR_REASON_UNSPECIFIED", (code, error)
+    assert error.code is code and "what gRPC said" in error.message
+
+
+def test_every_error_class_has_a_reason_of_the_error_model():
+    """Every class a call can raise or rebuild has its reason; only the three families no code raises (their
+    members do) are left without one."""
+    families = {_errors.NotFound, _errors.Precondition, _errors.ContractViolation}
+
+    def every(cls: type) -> list[type]:
+        return [cls] + [each for sub in cls.__subclasses__() for each in every(sub)]
+
+    for cls in every(_errors.HandoffError):
+        if cls is not _errors.HandoffError and cls not in families:
+            assert cls.reason in set(pb.ErrorReason.keys()) and cls.reason != "ERROR_REASON_UNSPECIFIED", cls
+
+
+def test_a_broker_that_cannot_be_reached_is_broker_unavailable():
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"  # bound, never listening: every connection is refused
+        with (
+            HandoffClient(address, timeout=2, retry=RetryPolicy(attempts=1)) as client,
+            pytest.raises(_errors.BrokerUnavailable) as failed,
+        ):
+            client.status()
+    assert failed.value.reason == "BROKER_UNAVAILABLE" and failed.value.code is grpc.StatusCode.UNAVAILABLE

@@ -50,6 +50,10 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOT_IN_SHARD: _ClassVar[ErrorReason]
     BROKER_BUSY: _ClassVar[ErrorReason]
     LANE_BROKEN: _ClassVar[ErrorReason]
+    BROKER_UNAVAILABLE: _ClassVar[ErrorReason]
+    CALL_CANCELLED: _ClassVar[ErrorReason]
+    DEADLINE_EXCEEDED: _ClassVar[ErrorReason]
+    RPC_FAILED: _ClassVar[ErrorReason]
 LANE_SEALING_NONE: LaneSealing
 LANE_SEALING_AES_256_GCM: LaneSealing
 LANE_KIND_UNSPECIFIED: LaneKind
@@ -85,6 +89,10 @@ SHARD_MISMATCH: ErrorReason
 NOT_IN_SHARD: ErrorReason
 BROKER_BUSY: ErrorReason
 LANE_BROKEN: ErrorReason
+BROKER_UNAVAILABLE: ErrorReason
+CALL_CANCELLED: ErrorReason
+DEADLINE_EXCEEDED: ErrorReason
+RPC_FAILED: ErrorReason
 
 class Carried(_message.Message):
     __slots__ = ("name", "layer", "rows", "cols", "dtype", "heads", "head_dim", "rows_are_positions")
