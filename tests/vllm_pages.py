@@ -70,14 +70,29 @@ def attention_pages(layout_name: str, kv_heads: int, head_dim: int, block: int, 
                     dtype: torch.dtype = torch.bfloat16, layers: int = 2) -> torch.Tensor:  # fmt: skip
     """Layer 1's pages of a `layers`-layer model, allocated by vLLM under KVCacheLayout `layout_name` with kernel
     blocks of `kernel_block` tokens (ValueError, vLLM's own, where that layout cannot split blocks)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head_dim, dtype=dtype)
+    return allocated_pages(spec, layout_name, kernel_block, blocks, layers)
+
+
+def mla_pages(layout_name: str, width: int, block: int, kernel_block: int, blocks: int,
+              dtype: torch.dtype = torch.bfloat16, layers: int = 2) -> torch.Tensor:  # fmt: skip
+    """Layer 1's MLA pages (`MLAAttentionSpec`: one head of `width`), allocated by vLLM as `attention_pages`."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=width, dtype=dtype)
+    return allocated_pages(spec, layout_name, kernel_block, blocks, layers)
+
+
+def allocated_pages(spec, layout_name: str, kernel_block: int, blocks: int, layers: int) -> torch.Tensor:
     from vllm.config import CacheConfig, VllmConfig
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    cache = CacheConfig(block_size=block)
+    cache = CacheConfig(block_size=spec.block_size)
     cache.kv_cache_layout = layout_name
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head_dim, dtype=dtype)
     names = [FULL.format(i) for i in range(layers)]
     config = get_kv_cache_config_from_groups(VllmConfig(cache_config=cache), [KVCacheGroupSpec(names, spec)],
                                              spec.page_size_bytes * layers * blocks)  # fmt: skip

@@ -1,0 +1,149 @@
+"""MLA pages (DeepSeek-V2/V3, Kimi-K2): one latent per token, no key/value split.
+
+vLLM 0.32 pages an MLA layer (`MLAAttentionSpec`: one KV head, head size kv_lora_rank + qk_rope_head_dim, no V) as
+the logical view `[kernel_blocks, 1, kernel_block, kv_lora_rank + qk_rope_head_dim]`: per token `kv_c_normed` then
+`k_pe` after RoPE (`concat_and_cache_mla` on GPUs, CPU_MLA's `do_kv_cache_update` on CPUs). The contract carries
+the same row per position (`layers.{i}.self_attn.kv_latent`, rows × (kv_lora_rank + qk_rope_head_dim)), so a
+LatentLayout moves rows and nothing else, across any two block sizes.
+
+API for the worker (same block ids and rows as PageLayout, one tensor instead of two):
+
+    layout = latent_layout(backend, LatentGeometry(width, block), pages=pages, writer=mla_cache_writer(cfg, name))
+    latent = layout.gather(pages, block_ids, rows)          # (rows, width), a copy
+    layout.scatter(pages, block_ids, first, latent_rows)    # writes tokens [first, first + len(latent_rows))
+
+With `pages`, the layout is verified on their device through the layer's own `impl.do_kv_cache_update`, as the
+attention pages are (_pages.verify): index-coded latents must read back, and a scatter must leave the writer's bytes.
+A quantized (fp8) latent cache or a backend not listed is refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._layouts import UnsupportedLayout
+from ._pages import EXACT_DTYPES, index_codes, scratch_like
+
+MLA_BACKENDS = ("CPU_MLA", "AMX_MLA", "FLASHMLA", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA")
+
+LatentWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""(kv_c_normed (n, kv_lora_rank), k_pe (n, qk_rope_head_dim), pages, slot_mapping (n,)) -> None."""
+
+
+@dataclass(frozen=True)
+class LatentGeometry:
+    """One MLA layer's cache: `width` = kv_lora_rank + qk_rope_head_dim per token (`rank` of them the latent),
+    `block` tokens a manager block, cut into kernel blocks of `kernel_block` (0: not cut)."""
+
+    width: int
+    block: int
+    kernel_block: int = 0
+    rank: int = 0  # kv_lora_rank: where k_pe starts (only the start-up check needs it)
+
+    @property
+    def kernel(self) -> int:
+        return self.kernel_block or self.block
+
+    @property
+    def ratio(self) -> int:
+        return self.block // self.kernel
+
+
+class LatentLayout:
+    """`[kernel_blocks, 1, kernel_block, width]` pages, any strides: token t of kernel block b is `[b, 0, t, :]`."""
+
+    def __init__(self, geometry: LatentGeometry, name: str) -> None:
+        self.geometry = geometry
+        self.name = name
+
+    def _slots(self, block_ids: list[int], first: int, end: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        g = self.geometry
+        r = g.ratio
+        ids = [b * r + j for b in block_ids for j in range(r)][: math.ceil(end / g.kernel)]
+        tokens = torch.arange(first, end, dtype=torch.long)
+        return torch.tensor(ids, dtype=torch.long)[tokens // g.kernel].to(device), (tokens % g.kernel).to(device)
+
+    def gather(self, pages: torch.Tensor, block_ids: list[int], rows: int) -> torch.Tensor:
+        """Latents of tokens [0, rows) of the request whose blocks are `block_ids`, as (rows, width): a copy."""
+        blocks, offsets = self._slots(block_ids, 0, rows, pages.device)
+        return pages[:, 0][blocks, offsets]
+
+    def scatter(self, pages: torch.Tensor, block_ids: list[int], first: int, latent: torch.Tensor) -> None:
+        """Write tokens [first, first + len(latent)) of the request whose blocks are `block_ids`; (n, width)."""
+        if latent.shape[0] == 0:
+            return
+        blocks, offsets = self._slots(block_ids, first, first + latent.shape[0], pages.device)
+        pages[:, 0][blocks, offsets] = latent.to(pages.dtype)  # pages[:, 0] is a view: this writes the pages
+
+
+def mla_cache_writer(vllm_config: Any, layer_name: str) -> LatentWriter | None:
+    """The latent writer vLLM itself runs for MLA layer `layer_name`, or None when it is not at hand."""
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    impl = getattr(layer, "impl", None)
+    if impl is None or not hasattr(impl, "do_kv_cache_update"):
+        return None
+
+    def write(kv_c: torch.Tensor, k_pe: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
+        impl.do_kv_cache_update(kv_c, k_pe.unsqueeze(1), pages, slots, layer.kv_cache_dtype, layer._k_scale)
+
+    return write
+
+
+def latent_layout(
+    backend: str, geometry: LatentGeometry, *, pages: torch.Tensor | None = None, writer: LatentWriter | None = None
+) -> LatentLayout:
+    """The latent layout of MLA backend `backend`; with `pages`, its kernel block read from them and the layout
+    verified against `writer` on their device. UnsupportedLayout for a backend not listed, or any disagreement."""
+    if backend not in MLA_BACKENDS:
+        raise UnsupportedLayout(f"the MLA backend {backend} is not one handoff-broker's connector knows "
+                                f"(it knows {', '.join(MLA_BACKENDS)})")  # fmt: skip
+    if pages is None:
+        return LatentLayout(geometry, backend)
+    expected = (1, geometry.width)
+    if pages.dim() != 4 or (pages.shape[1], pages.shape[3]) != expected or geometry.block % pages.shape[2]:
+        raise UnsupportedLayout(f"{backend}: vLLM registered MLA pages of shape {tuple(pages.shape)}, the connector "
+                                f"expects [blocks, 1, a divisor of {geometry.block}, {geometry.width}]")  # fmt: skip
+    kernel = int(pages.shape[2])
+    geometry = LatentGeometry(geometry.width, geometry.block, 0 if kernel == geometry.block else kernel, geometry.rank)
+    layout = LatentLayout(geometry, backend)
+    verify_latent(layout, pages, writer)
+    return layout
+
+
+def verify_latent(layout: LatentLayout, pages: torch.Tensor, writer: LatentWriter | None) -> None:
+    """Index-coded latents written by `writer` into scratch pages of the pages' physical order must read back
+    through `layout`, and `layout.scatter` of them must leave the same bytes; else UnsupportedLayout."""
+    g, name = layout.geometry, layout.name
+    if pages.dtype not in EXACT_DTYPES:
+        raise UnsupportedLayout(f"{name}: MLA pages of {pages.dtype} (a quantized latent cache) are not supported; "
+                                "serve with --kv-cache-dtype auto")  # fmt: skip
+    if writer is None:
+        raise UnsupportedLayout(f"{name}: no cache writer of vLLM's to check the MLA pages against")
+    if not 0 < g.rank < g.width:
+        raise UnsupportedLayout(f"{name}: kv_lora_rank {g.rank} does not split a latent of {g.width}")
+    block_ids, rows = [2, 0], 2 * g.block - 3
+    r = g.ratio
+    kernel_ids = torch.tensor([b * r + j for b in block_ids for j in range(r)])
+    tokens = torch.arange(rows, dtype=torch.long)
+    slots = (kernel_ids[tokens // g.kernel] * g.kernel + tokens % g.kernel).to(pages.device)
+    for digit in range(max(1, math.ceil(math.log(rows * g.width, 256)))):
+        codes = index_codes(rows * g.width, digit, pages.dtype, pages.device).reshape(rows, g.width)
+        written, written_storage = scratch_like(pages, 3 * r)
+        try:
+            writer(codes[:, : g.rank].contiguous(), codes[:, g.rank :].contiguous(), written, slots)
+        except Exception as e:
+            raise UnsupportedLayout(f"{name}: vLLM's MLA cache writer could not run on {pages.device}: {e!r}") from e
+        got = layout.gather(written, block_ids, rows)
+        if not torch.equal(got, codes):
+            token, column = (got != codes).nonzero()[0].tolist()
+            raise UnsupportedLayout(f"{name}: the connector read latents other than vLLM's cache writer wrote, first "
+                                    f"at token {token}, column {column}")  # fmt: skip
+        scattered, scattered_storage = scratch_like(pages, 3 * r)
+        layout.scatter(scattered, block_ids, 0, codes)
+        if not torch.equal(scattered_storage, written_storage):
+            raise UnsupportedLayout(f"{name}: the connector's scatter wrote MLA pages other than vLLM's writer does")
