@@ -125,6 +125,19 @@ class Contract:
         canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
+    @property
+    def rewindable(self) -> bool:
+        """Whether a hand-off after `position` tokens may be loaded by a decoder that runs token `position - 1`
+        again (vLLM's always does: it computes the prompt's last token itself). True only when every tensor's rows
+        are positions over the whole cache (rows = ctx): running a token again rewrites its row with the same
+        values. A tensor whose rows are not positions (a conv ring, a recurrent memory; a per-tensor scale, which
+        the contract cannot tell from one) may be a state each token updates in place, and a ring that wraps before
+        the cache ends (rows < ctx - 1) has overwritten, by position N > rows, the row that token's window reads:
+        neither can be rewound. The producer of a contract that is not rewindable stops one token short and pushes
+        the state after N - 1 of a prompt's N tokens (position N - 1); the decoder computes token N - 1 itself
+        (docs/contracts.md, the last-token rule)."""
+        return all(c.rows_are_positions and (c.cache_rows or c.rows) >= self.ctx - 1 for c in self.carried)
+
     @cached_property
     def nbytes(self) -> int:
         """Bytes of one hand-off: what a push reserves."""
@@ -216,6 +229,10 @@ class FilledContract(Contract):
     @property
     def fingerprint(self) -> str:  # type: ignore[override]
         return self.declared.fingerprint
+
+    @property
+    def rewindable(self) -> bool:
+        return self.declared.rewindable
 
     def at(self, position: int) -> Contract:
         return self.declared.at(position)

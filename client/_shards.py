@@ -2,7 +2,8 @@
 
 A prefill engine at TP size `p` and a decode engine at TP size `d` hold each attention layer's KV heads split
 differently. The contract says how: a carried tensor with `heads` (cols = heads × head_dim) is split by head, one
-with none is held whole by every rank (a conv ring, an MLA latent). For a split tensor of H heads at TP size t:
+with none is held whole by every rank (an MLA latent). A recurrent layer's conv ring and state are split by head too
+(handoff_client._hybrids), so they reshard as attention heads do. For a split tensor of H heads at TP size t:
 
     t divides H      rank r holds heads [r·H/t, (r+1)·H/t)                   (Megatron column split)
     H divides t      rank r holds head r·H/t, each head by t/H ranks         (vLLM replicates KV heads, GQA)
@@ -122,6 +123,10 @@ class ShardContract(Contract):
     @property
     def fingerprint(self) -> str:  # type: ignore[override]
         return self.whole.fingerprint
+
+    @property
+    def rewindable(self) -> bool:
+        return self.whole.rewindable
 
     def index(self, name: str) -> int:
         try:

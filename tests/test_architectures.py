@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from handoff_client._architectures import ConfigError, contract_from_config
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -27,11 +26,11 @@ def test_llama_3_8b_has_a_key_and_a_value_cache_per_layer_of_8_kv_heads():
     assert derive("llama-3-8b", ctx=32768).nbytes == 4096 * MiB
 
 
-def test_mistral_7b_keeps_a_ring_of_its_sliding_window_not_the_whole_context():
-    assert derive("mistral-7b-v0.1").nbytes == 512 * MiB
+def test_mistral_7b_keeps_a_ring_of_its_sliding_window_less_one_not_the_whole_context():
+    assert derive("mistral-7b-v0.1").nbytes == 4095 * 1024 * 2 * 64  # a window of 4096 ends at the token itself
     long = derive("mistral-7b-v0.1", ctx=32768)
-    assert {x.rows for x in long.carried} == {4096}  # sliding_window 4096
-    assert long.nbytes == 512 * MiB
+    assert {x.rows for x in long.carried} == {4095}  # sliding_window 4096: the next token reads 4095 cached rows
+    assert long.nbytes == 4095 * 1024 * 2 * 64
 
 
 def test_qwen2_7b_derives_head_dim_from_hidden_size_and_ignores_an_unused_window():
@@ -49,17 +48,17 @@ def test_qwen3_8b_takes_head_dim_as_the_config_gives_it():
 def test_gemma_2_alternates_sliding_and_global_layers():
     c = derive("gemma-2-9b", ctx=32768)
     rows = [x.rows for x in c.carried if x.name.endswith("k_cache")]
-    assert rows[:4] == [4096, 32768, 4096, 32768]  # even layers slide (window 4096), odd layers see everything
+    assert rows[:4] == [4095, 32768, 4095, 32768]  # even layers slide (window 4096), odd layers see everything
     assert {x.cols for x in c.carried} == {8 * 256}
-    assert c.nbytes == 21 * 2 * (4096 + 32768) * 2048 * 2 == 6048 * MiB
+    assert c.nbytes == 21 * 2 * (4095 + 32768) * 2048 * 2
 
 
 def test_gemma_3_has_one_global_layer_in_six():
     c = derive("gemma-3-1b")
     full = [x.layer for x in c.carried if x.name.endswith("k_cache") and x.rows == 4096]
     assert full == [5, 11, 17, 23]
-    assert {x.rows for x in c.carried if x.layer not in full} == {512}
-    assert c.nbytes == 4 * 2 * 4096 * 256 * 2 + 22 * 2 * 512 * 256 * 2 == 27 * MiB
+    assert {x.rows for x in c.carried if x.layer not in full} == {511}  # window 512
+    assert c.nbytes == 4 * 2 * 4096 * 256 * 2 + 22 * 2 * 511 * 256 * 2
 
 
 def test_deepseek_v3_carries_one_latent_per_layer():
@@ -69,17 +68,90 @@ def test_deepseek_v3_carries_one_latent_per_layer():
     assert c.nbytes == 61 * 4096 * 576 * 2
 
 
-def test_qwen3_next_carries_conv_rings_and_memories_and_every_fourth_layer_a_kv_cache():
+def test_qwen3_next_carries_conv_rings_and_memories_split_by_head_and_every_fourth_layer_a_kv_cache():
     c = derive("qwen3-next-80b-a3b")
-    assert [x.name for x in c.of_layer(0)] == ["layers.0.linear_attn.conv_ring", "layers.0.linear_attn.memory"]
+    gdn = ["layers.0.linear_attn.conv_q", "layers.0.linear_attn.conv_k", "layers.0.linear_attn.conv_v"]
+    assert [x.name for x in c.of_layer(0)] == [*gdn, "layers.0.linear_attn.memory"]
     assert [x.name for x in c.of_layer(3)] == ["layers.3.self_attn.k_cache", "layers.3.self_attn.v_cache"]
-    ring, memory = c.tensor("layers.0.linear_attn.conv_ring"), c.tensor("layers.0.linear_attn.memory")
-    assert (ring.rows, ring.cols, ring.dtype) == (3, 2 * 16 * 128 + 32 * 128, "bfloat16")  # kernel 4 - 1; q, k, v
-    assert (memory.rows, memory.cols, memory.dtype) == (32 * 128, 128, "float32")  # value heads x k dim, v dim
+    q, k, v = (c.tensor(name) for name in gdn)  # kernel 4 - 1 rows; 16 key heads of 128, 32 value heads of 128
+    assert [(x.rows, x.cols, x.heads, x.head_dim, x.dtype) for x in (q, k, v)] == [
+        (3, 16 * 128, 16, 128, "bfloat16"), (3, 16 * 128, 16, 128, "bfloat16"), (3, 32 * 128, 32, 128, "bfloat16"),
+    ]  # fmt: skip
+    memory = c.tensor("layers.0.linear_attn.memory")  # k dim rows; value heads x v dim columns, split by value head
+    assert (memory.rows, memory.cols, memory.heads, memory.head_dim, memory.dtype) == (
+        128,
+        32 * 128,
+        32,
+        128,
+        "float32",
+    )
+    assert not any(x.rows_are_positions for x in (q, k, v, memory)) and not c.rewindable
     kv = c.tensor("layers.3.self_attn.k_cache")
     assert (kv.rows, kv.cols) == (4096, 2 * 256)
     assert sum(1 for x in c.carried if x.name.endswith("k_cache")) == 12
     assert c.nbytes == 12 * 2 * 4096 * 512 * 2 + 36 * (3 * 8192 * 2 + 4096 * 128 * 4) == 177_930_240
+
+
+def test_qwen3_5_is_read_from_its_nested_text_config_as_qwen3_next_is():
+    c = derive("qwen3_5-tiny")  # a tiny Qwen3.5 (2 key heads, 4 value heads of 64) under a multimodal wrapper
+    assert (c.model, c.hidden, len(c.carried)) == ("qwen3_5-tiny", 256, 3 * 4 + 2)
+    assert [x.name.rsplit(".", 1)[1] for x in c.carried[:4]] == ["conv_q", "conv_k", "conv_v", "memory"]
+    assert [(x.rows, x.cols, x.heads) for x in c.carried[:4]] == [(3, 128, 2), (3, 128, 2), (3, 256, 4), (64, 256, 4)]
+    text = {**json.loads((CONFIGS / "qwen3_5-tiny.json").read_text())["text_config"], "model_type": "qwen3_5_moe_text"}
+    assert contract_from_config(text, model="qwen3_5-tiny").carried == c.carried  # a text-only (MoE) config alike
+    moe = {**json.loads((CONFIGS / "qwen3_5-tiny.json").read_text()), "model_type": "qwen3_5_moe"}
+    assert contract_from_config(moe).carried == c.carried
+
+
+def test_nemotron_h_carries_mamba2_state_on_m_layers_and_kv_caches_on_star_layers():
+    c = derive("nemotron-nano-9b-v2")
+    pattern = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
+    assert sorted({x.layer for x in c.carried}) == [i for i, kind in enumerate(pattern) if kind in "M*"]
+    assert [x.name for x in c.of_layer(0)] == [f"layers.0.mamba.{t}" for t in ("conv_x", "conv_b", "conv_c", "ssm")]
+    x, b, cc, ssm = c.of_layer(0)  # 128 heads of 80, 8 groups of state 128, conv kernel 4
+    assert [(t.rows, t.cols, t.heads, t.head_dim) for t in (x, b, cc)] == [
+        (3, 128 * 80, 128, 80), (3, 8 * 128, 8, 128), (3, 8 * 128, 8, 128),
+    ]  # fmt: skip
+    assert (ssm.rows, ssm.cols, ssm.heads, ssm.head_dim, ssm.dtype) == (80, 128 * 128, 128, 128, "float32")
+    assert [x.name for x in c.of_layer(14)] == ["layers.14.self_attn.k_cache", "layers.14.self_attn.v_cache"]
+    assert c.tensor("layers.14.self_attn.k_cache").shape == (4096, 8 * 128)
+    assert sum(1 for t in c.carried if t.name.endswith("ssm")) == pattern.count("M") == 27
+    legacy = {**json.loads((CONFIGS / "nemotron-nano-9b-v2.json").read_text()), "mamba_n_groups": 8, "mamba_d_conv": 4}
+    del legacy["hybrid_override_pattern"], legacy["n_groups"], legacy["conv_kernel"]
+    legacy["layers_block_type"] = [{"M": "mamba", "*": "attention", "-": "mlp"}[k] for k in pattern]
+    assert contract_from_config(legacy).carried == c.carried  # the list spelling and the legacy field names alike
+
+
+def test_granite_4_hybrid_and_falcon_h1_carry_mamba2_state_with_one_group_every_rank_holds():
+    granite = derive("granite-hybrid-tiny")  # layers 3 and 7 attention, the rest Mamba2; 8 heads of 128, 1 group
+    assert [t.name.rsplit(".", 1)[1] for t in granite.of_layer(3)] == ["k_cache", "v_cache"]
+    assert [(t.rows, t.cols, t.heads) for t in granite.of_layer(0)] == [
+        (3, 1024, 8), (3, 128, 1), (3, 128, 1), (128, 8 * 128, 8),
+    ]  # fmt: skip
+    falcon = derive("falcon-h1")  # every layer: the Mamba2 mixer, then attention
+    assert [t.name.rsplit(".", 1)[1] for t in falcon.of_layer(23)] == ["conv_x", "conv_b", "conv_c", "ssm", "k_cache",
+                                                                       "v_cache"]  # fmt: skip
+    assert [(t.rows, t.cols, t.heads) for t in falcon.of_layer(0)][:4] == [
+        (3, 3072, 48), (3, 256, 1), (3, 256, 1), (64, 48 * 256, 48),
+    ]  # fmt: skip
+    auto = {**json.loads((CONFIGS / "falcon-h1.json").read_text()), "mamba_d_head": "auto"}
+    assert contract_from_config(auto).carried == falcon.carried  # "auto": mamba_d_ssm / heads
+    with pytest.raises(ConfigError, match=r"48 Mamba heads x mamba_d_head 32 do not make the intermediate size 3072"):
+        contract_from_config({**auto, "mamba_d_head": 32})
+    with pytest.raises(ConfigError, match=r"`mamba_d_conv` 1 keeps no conv ring"):
+        contract_from_config({**auto, "mamba_d_conv": 1})
+
+
+def test_only_a_contract_whose_rows_are_all_positions_over_the_whole_cache_is_rewindable():
+    assert derive("llama-3-8b").rewindable and derive("deepseek-v3").rewindable
+    assert derive("llama-3-8b").at(100).rewindable  # a hand-off's filled view says what its contract says
+    for hybrid in ("qwen3-next-80b-a3b", "qwen3_5-tiny", "nemotron-nano-9b-v2", "granite-hybrid-tiny", "falcon-h1"):
+        assert not derive(hybrid).rewindable, hybrid  # a conv ring and a recurrent state cannot be run back
+    assert not derive("gemma-3-1b").rewindable  # a ring of 511 rows in 4096 wraps: position N has lost row N - 512
+    assert derive("mistral-7b-v0.1").rewindable  # a ring of 4095 rows in a cache of 4096 never wraps
+    assert not derive("mistral-7b-v0.1", ctx=8192).rewindable
+    assert not derive("llama-3-8b", dtype="float8_e4m3fn").rewindable  # a per-tensor scale is not positional
+    assert derive("llama-3-8b", dtype="int8").rewindable  # a per-row one is
 
 
 def test_a_float8_cache_carries_a_per_tensor_scale_and_int8_a_per_row_one():
@@ -132,7 +204,6 @@ def test_contract_from_config_writes_a_manifest_the_broker_loads(tmp_path: Path)
 
 def test_serve_serves_a_config_json_directly_and_moves_its_hand_off(start_broker):
     import numpy as np
-
     from handoff_client import HandoffClient
 
     contract = derive("gemma-3-1b", ctx=1024)

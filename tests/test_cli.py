@@ -30,10 +30,10 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_demo_moves_a_hand_off_between_two_processes_bit_for_bit():
     result = run("demo")
     assert result.returncode == 0, result.stderr
-    assert "8 tensors, 242688 bytes, all bit-identical" in result.stdout  # a 100-token prompt's rows, state whole
+    assert "12 tensors, 242688 bytes, all bit-identical" in result.stdout  # a 100-token prompt's rows, state whole
     assert "242688 of the 4334592 bytes the whole context would hold" in result.stdout
     assert "broker holds 0 bytes after the confirm" in result.stdout
-    assert result.stdout.count(" yes\n") == 8
+    assert result.stdout.count(" yes\n") == 12
 
 
 def start_serving(*args: str) -> tuple[subprocess.Popen, str]:
@@ -249,7 +249,7 @@ def test_the_client_only_install_runs_every_command_that_needs_only_the_client(b
     assert len(client_only("hash-token", stdin="secret\n").stdout.strip()) == 64
     serve = client_only("serve", "--port", "0")
     assert serve.returncode == 2
-    assert "needs the server extra (missing grpc_health): pip install 'handoff-broker[server]'" in serve.stderr
+    assert "needs the server extra (missing grpc_health): pip install '.[server]' from a clone" in serve.stderr
 
 
 @pytest.mark.parametrize(

@@ -102,7 +102,8 @@ def test_take_leaves_tensors_the_contract_does_not_carry_behind():
 
 
 def test_of_layer_lists_a_layers_tensors_in_contract_order():
-    assert [c.name for c in DEMO.of_layer(0)] == ["layers.0.linear_attn.conv_ring", "layers.0.linear_attn.memory"]
+    gdn = [f"layers.0.linear_attn.{name}" for name in ("conv_q", "conv_k", "conv_v", "memory")]
+    assert [c.name for c in DEMO.of_layer(0)] == gdn
     assert [c.name for c in DEMO.of_layer(1)] == ["layers.1.self_attn.k_cache", "layers.1.self_attn.v_cache"]
 
 
@@ -137,8 +138,8 @@ def test_a_manifest_round_trips_through_to_json():
         (lambda m: m["carried"][1].update(rows=-1), "carried[1].rows: must be an integer >= 1"),
         (lambda m: m["carried"][2].update(dtype="float128"), "carried[2].dtype: 'float128' is not one of"),
         (lambda m: m["carried"][3].update(name=m["carried"][0]["name"]), "carried[3].name: `layers.0.linear_attn"),
-        (lambda m: m["carried"][2].update(layer=0, name="late"), None),  # layer 0 after layer 0: fine
-        (lambda m: m["carried"][4].update(layer=0), "carried[4].layer: 0 comes after layer 1"),
+        (lambda m: m["carried"][4].update(layer=0, name="late"), None),  # layer 0 after layer 0: fine
+        (lambda m: m["carried"][6].update(layer=0), "carried[6].layer: 0 comes after layer 1"),
         (lambda m: m["carried"][0].update(colls=3), "carried[0].colls: is not a contract field"),
         (lambda m: m["carried"][0].pop("dtype"), "carried[0]: lacks dtype"),
     ],
@@ -173,7 +174,7 @@ def test_a_folder_of_manifests_loads_every_model_and_refuses_one_declared_twice(
 def test_the_embedded_demo_has_attention_and_gated_delta_state():
     names = [c.name for c in DEMO.carried]
     assert any("k_cache" in n for n in names) and any("v_cache" in n for n in names)
-    assert any("memory" in n for n in names) and any("conv_ring" in n for n in names)
+    assert any("memory" in n for n in names) and any("conv_v" in n for n in names)
     assert [c.rows for c in DEMO.carried if "cache" in c.name] == [DEMO.ctx] * 4
 
 

@@ -49,8 +49,8 @@ def derive(config_file: str, *, ctx: int, layers: int | None = None, model: str 
 
 
 LLAMA = derive("llama-3-8b", ctx=4096, layers=2)  # Llama-3-8B's layers: (4096, 8 heads x 128) bf16 caches, 32 MiB
-GEMMA = derive("gemma-3-1b", ctx=1024, layers=6)  # five sliding layers (a ring of 512 rows), then a global one
-MISTRAL = derive("mistral-7b-v0.1", ctx=8192, layers=1)  # every layer slides: a ring of 4096 rows in 8192
+GEMMA = derive("gemma-3-1b", ctx=1024, layers=6)  # five sliding layers (window 512: a ring of 511 rows), one global
+MISTRAL = derive("mistral-7b-v0.1", ctx=8192, layers=1)  # every layer slides (window 4096): a ring of 4095 rows
 QWEN3_NEXT = derive("qwen3-next-80b-a3b", ctx=4096, layers=4)  # three gated-delta layers, then attention
 MODELS = {c.model: c for c in (LLAMA, GEMMA, MISTRAL, QWEN3_NEXT)}
 EVERY_PATH = True  # each test on the gRPC streams, the TCP lane and the shared-memory lane (conftest.PATHS)
@@ -81,7 +81,14 @@ def test_every_derived_cache_is_marked_positional_and_every_fixed_size_state_is_
     assert all(c.rows_are_positions for c in LLAMA.carried)
     assert all(c.rows_are_positions for c in GEMMA.carried)
     kinds = {c.name.rsplit(".", 1)[-1]: c.rows_are_positions for c in QWEN3_NEXT.carried}
-    assert kinds == {"conv_ring": False, "memory": False, "k_cache": True, "v_cache": True}
+    assert kinds == {
+        "conv_q": False,
+        "conv_k": False,
+        "conv_v": False,
+        "memory": False,
+        "k_cache": True,
+        "v_cache": True,
+    }
     latent = derive("deepseek-v3", ctx=64, layers=1).carried
     assert [c.rows_are_positions for c in latent] == [True]  # the MLA latent
     fp8 = contract_from_config(json.loads((CONFIGS / "llama-3-8b.json").read_text()), ctx=64, dtype="float8_e4m3fn")
@@ -184,10 +191,10 @@ def test_a_hybrid_carries_its_gated_delta_state_whole_and_its_attention_caches_f
 @pytest.mark.parametrize(
     ("contract", "position", "ring_rows", "full_rows"),
     [
-        (GEMMA, 300, 300, 300),  # before the 512-row ring wraps: rows [0, 300) of both
-        (GEMMA, 900, 512, 900),  # after: the ring is full (position p at row p mod 512), the global layer grows
+        (GEMMA, 300, 300, 300),  # before the 511-row ring wraps: rows [0, 300) of both
+        (GEMMA, 900, 511, 900),  # after: the ring is full (position p at row p mod 511), the global layer grows
         (MISTRAL, 4000, 4000, None),
-        (MISTRAL, 6000, 4096, None),
+        (MISTRAL, 6000, 4095, None),
     ],
 )
 def test_a_sliding_window_ring_carries_its_filled_rows_before_it_wraps_and_all_after(
