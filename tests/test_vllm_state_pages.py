@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip insta
 
 from handoff_client._architectures import contract_from_config
 from handoff_client._shards import Shard, ShardContract, held_heads
-from handoff_client.vllm._state_pages import StateTensor, learn_transposed, state_layout
+from handoff_client.vllm._state_pages import StateTensor, check_bound_views, learn_transposed, state_layout
 
 from tests import vllm_pages
 
@@ -136,6 +136,7 @@ def test_a_state_page_converts_to_the_contracts_tensors_and_back(kind, tp, conv_
         state_view[BLOCK_ID] = mine_s.transpose(1, 2) if kind == "gdn" else mine_s  # vLLM: (v_dim, k_dim) per head
         layout = state_layout(contract_tensors(config, 0, Shard(rank, tp)), shapes, dtypes,
                               conv_dim_first=conv_layout == "DS", transposed=learn_transposed(mamba_type.name))  # fmt: skip
+        check_bound_views(layout, pages, (conv_view, state_view), "layers.0")  # the views vLLM's layer reads
         got = layout.gather(pages, BLOCK_ID)
         want = expected(config, 0, conv, s, Shard(rank, tp))
         assert got.keys() == want.keys()
@@ -164,3 +165,15 @@ def test_a_contract_that_does_not_hold_vllms_state_is_refused_naming_it():
         state_layout(tensors[1:], shapes, dtypes, conv_dim_first=False, transposed=True, layer="layers.0")
     with pytest.raises(UnsupportedLayout, match=r"does not hold vLLM's recurrent state \(4, 24, 16\)"):
         state_layout(tensors, shapes, dtypes, conv_dim_first=False, transposed=False, layer="layers.0")
+
+
+def test_state_views_other_than_the_ones_vllm_bound_are_refused():
+    from handoff_client.vllm._layouts import UnsupportedLayout
+
+    shapes, dtypes, mamba_type = vllm_state("gdn", 1)
+    pages, bound = bound_views(shapes, dtypes, mamba_type)
+    layout = state_layout(contract_tensors(QWEN3_NEXT, 0, Shard(0, 1)), shapes, dtypes, conv_dim_first=False,
+                          transposed=True)  # fmt: skip
+    swapped = (bound[0], bound[1].transpose(2, 3))  # a layer that bound its state the other way round
+    with pytest.raises(UnsupportedLayout, match="layers.0: the connector's recurrent state view"):
+        check_bound_views(layout, pages, swapped, "layers.0")

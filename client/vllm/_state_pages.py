@@ -23,6 +23,7 @@ API for the worker, one state block (one request's running state) at a time:
     layout.gather(pages, block_id) -> {contract name: (rows, cols) tensor}     # copies
     layout.scatter(pages, block_id, {contract name: (rows, cols) tensor})     # writes every state byte it owns
     layout.views(pages) -> (conv, recurrent)                                  # the typed views bind_kv_cache makes
+    check_bound_views(layout, pages, layer_module.kv_cache, name)            # at start-up: the same views as vLLM's
 
 Anything that does not fit (sizes, dtypes, a tensor left over) is refused with UnsupportedLayout naming it.
 """
@@ -145,6 +146,22 @@ class StatePageLayout:
             first += t.cols
         heads = self._per_head(tensors[self.state.name].to(g.state_dtype))
         state[block_id] = heads.transpose(1, 2) if g.transposed else heads
+
+
+def check_bound_views(layout: StatePageLayout, pages: torch.Tensor, bound: Sequence[torch.Tensor], layer: str) -> None:
+    """At start-up: the views `layout` makes of `pages` must be the very views vLLM's layer bound (its `.kv_cache`,
+    made by `MambaBase.bind_kv_cache`): same memory, shape, strides and dtype; else UnsupportedLayout naming the
+    layer and the state that differs."""
+    if len(bound) != 2:
+        raise UnsupportedLayout(f"state pages of {layer}: vLLM bound {len(bound)} states, the connector knows 2")
+    for what, mine, theirs in zip(("conv", "recurrent"), layout.views(pages), bound):
+        same = (mine.data_ptr(), mine.shape, mine.stride(), mine.dtype) == (
+            theirs.data_ptr(), theirs.shape, theirs.stride(), theirs.dtype)  # fmt: skip
+        if not same:
+            raise UnsupportedLayout(
+                f"state pages of {layer}: the connector's {what} state view {tuple(mine.shape)} {mine.dtype} at "
+                f"{mine.stride()} is not the one vLLM bound, {tuple(theirs.shape)} {theirs.dtype} at {theirs.stride()}"
+            )
 
 
 def state_layout(
