@@ -1,28 +1,26 @@
 """Prefill and decode at different tensor-parallel sizes: the broker reshards by heads.
 
 Contracts here come from real config.json files (Llama-3-8B: 8 KV heads; Qwen2-7B: 4, so TP 8 replicates each head
-on two ranks; Qwen3-Next: 2 KV heads beside gated-delta conv rings and memories that are not split), over a short
-cache so every pair of TP sizes runs in moments.
+on two ranks; Qwen3-Next: 2 KV heads beside gated-delta conv rings and memories split by their 16 key and 32 value
+heads; DeepSeek-V3's MLA latent, not split), over a short cache so every pair of TP sizes runs in moments.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-from collections import Counter
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent import futures
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
-from handoff_client._architectures import contract_from_config
 from handoff_client import (
     AlreadyClaimed,
     CallCancelled,
@@ -43,12 +41,13 @@ from handoff_client import (
     join_shards,
     shard_arrays,
 )
+from handoff_client._architectures import contract_from_config
 from handoff_client._contract import Carried
 from handoff_client._frames import decode_chunk
 from handoff_client._shards import ShardContract, held_heads, pushes
-from test_claims import wait_until
 from proxy import Proxy
 from support import broker_holds, chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
+from test_claims import wait_until
 
 EVERY_PATH = True  # each test on the gRPC streams, the TCP lane and the shared-memory lane (conftest.PATHS)
 
@@ -74,13 +73,15 @@ MODELS = {
     "qwen2-7b": model("qwen2-7b", "qwen2-7b"),
     "qwen3-next": model("qwen3-next", "qwen3-next-80b-a3b", layers=4),
 }
+LATENT = model("deepseek-v3", "deepseek-v3", layers=2)  # one MLA latent a layer: not split, every rank holds it
 LLAMA_1K = model("llama-3-8b-1k", "llama-3-8b", ctx=1024)  # 128 MiB: a shard is more than the connection buffers
 SIX_HEADS = Contract("six-heads", 8, 64, (Carried("layers.0.k", 0, 8, 6 * 4, "float32", 6, 4),))
 
 
 @pytest.fixture
 def tp_broker(start_broker):
-    return start_broker(contracts={**MODELS, SIX_HEADS.model: SIX_HEADS, LLAMA_1K.model: LLAMA_1K}, lease=60.0)
+    extra = {c.model: c for c in (SIX_HEADS, LLAMA_1K, LATENT)}
+    return start_broker(contracts={**MODELS, **extra}, lease=60.0)
 
 
 def heads_move(contract: Contract, push_tp: int, pull_tp: int) -> bool:
@@ -138,10 +139,14 @@ def test_a_rank_holds_its_heads_or_a_replica_of_one_as_vllm_does():
     eight = [ShardContract.of(qwen2, Shard(r, 8), pushing=False).heads[0] for r in range(8)]
     assert eight == [(0, 1), (0, 1), (1, 2), (1, 2), (2, 3), (2, 3), (3, 4), (3, 4)]
     assert [pushes(qwen2.model, k, Shard(r, 8)) for r in range(8)] == [True, False] * 4  # once, by its first holder
-    next_ = MODELS["qwen3-next"]
-    ring = next_.tensor("layers.0.linear_attn.conv_ring")  # not split: rank 0 pushes it, every rank pulls it whole
-    assert [pushes(next_.model, ring, Shard(r, 4)) for r in range(4)] == [True, False, False, False]
-    assert ShardContract.of(next_, Shard(3, 4), pushing=False).tensor(ring.name).shape == ring.shape
+    latent = LATENT.tensor("layers.0.self_attn.kv_latent")  # not split: rank 0 pushes it, every rank pulls it whole
+    assert [pushes(LATENT.model, latent, Shard(r, 4)) for r in range(4)] == [True, False, False, False]
+    assert ShardContract.of(LATENT, Shard(3, 4), pushing=False).tensor(latent.name).shape == latent.shape
+    next_ = MODELS["qwen3-next"]  # a gated-delta layer's conv ring and memory split by head, as vLLM shards them
+    conv_v, memory = next_.tensor("layers.0.linear_attn.conv_v"), next_.tensor("layers.0.linear_attn.memory")
+    assert [pushes(next_.model, conv_v, Shard(r, 4)) for r in range(4)] == [True] * 4
+    rank3 = ShardContract.of(next_, Shard(3, 4), pushing=False)
+    assert (rank3.tensor(conv_v.name).shape, rank3.tensor(memory.name).shape) == ((3, 8 * 128), (128, 8 * 128))
 
 
 def test_the_hand_off_is_invisible_until_every_rank_has_pushed(tp_broker):
@@ -161,25 +166,24 @@ def test_the_hand_off_is_invisible_until_every_rank_has_pushed(tp_broker):
 def test_a_pull_waiting_before_the_push_gets_its_shard_once_every_rank_has_pushed(tp_broker):
     contract = MODELS["qwen3-next"]
     full = seeded_tensors(contract)
-    with HandoffClient(tp_broker.address, timeout=20) as client:
-        with futures.ThreadPoolExecutor(2) as pool:
-            waiting = [pool.submit(client.pull, contract.model, "req", shard=(r, 2)) for r in range(2)]
-            push_all_ranks(client, contract, "req", full, 4)
-            pulled = [w.result(timeout=20) for w in waiting]
+    with HandoffClient(tp_broker.address, timeout=20) as client, futures.ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(client.pull, contract.model, "req", shard=(r, 2)) for r in range(2)]
+        push_all_ranks(client, contract, "req", full, 4)
+        pulled = [w.result(timeout=20) for w in waiting]
     assert_same_bits(join_shards(contract, pulled, 2).state, full)
     assert_holds_nothing(tp_broker)
 
 
 def test_one_rank_pushing_what_is_not_its_own_frees_every_rank(tp_broker):
-    contract = MODELS["qwen3-next"]
+    contract = LATENT
     full = seeded_tensors(contract)
     with HandoffClient(tp_broker.address, timeout=20) as client:
         push_rank(client, contract, "req", full, 0, 2)
-        rank0 = shard_arrays(contract, full, Shard(0, 2), pushing=True)  # rank 1 sends rank 0's conv ring too
+        rank0 = shard_arrays(contract, full, Shard(0, 2), pushing=True)  # rank 1 sends rank 0's latent too
         frames = [header_frame(contract, "req", position=3, shard=(1, 2)), *chunk_frames(contract, rank0, 1 << 16)]
         error = raises_handoff_error(raw_push, tp_broker.address, frames)
         assert isinstance(error, NotInShard)
-        assert error.tensor == "layers.0.linear_attn.conv_ring"
+        assert error.tensor == "layers.0.self_attn.kv_latent"
         assert "not rank 1 of 2's to push: it is not split, and rank 0 pushes it" in error.message
         assert_holds_nothing(tp_broker)  # rank 0's committed part went with it
         push_all_ranks(client, contract, "req", full, 2)  # the whole push again, every rank
@@ -668,7 +672,7 @@ CUT_AS_PUSHED = [
     ("llama-3-8b", 1, 2),  # a whole push, pulled by two decode ranks
     ("llama-3-8b", 4, 2),  # each decode rank's heads come from two prefill ranks
     ("llama-3-8b", 2, 4),  # each from part of one
-    ("qwen3-next", 2, 2),  # conv rings only rank 0 pushes, which rank 1 pulls too
+    ("qwen3-next", 4, 2),  # gated-delta conv rings and memories cut by head as the caches are
     ("qwen2-7b", 8, 8),  # KV heads replicated: the last rank pushes nothing but its header
 ]
 
