@@ -23,6 +23,8 @@ _HOMES: dict[str, str] = {
     "RetryPolicy": "_calls",
     "DEFAULT_CHUNK_BYTES": "_client",
     "DEFAULT_TIMEOUT": "_client",
+    "BrokerStatus": "_status",
+    "__version__": "_version",
     "HandoffClient": "_client",
     "PushResult": "_client",
     "PulledTensors": "_pulls",
@@ -90,6 +92,7 @@ __all__ = [
     "AlreadyClaimed",
     "BadChunk",
     "BrokerBusy",
+    "BrokerStatus",
     "BrokerUnavailable",
     "CallCancelled",
     "CapacityExhausted",
@@ -205,4 +208,6 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors
     from ._fleet import FleetClient
     from ._pulls import PulledTensors
     from ._shards import Shard, ShardContract, join_shards, shard_arrays
+    from ._status import BrokerStatus
     from ._torch import from_numpy, to_numpy
+    from ._version import __version__ as __version__

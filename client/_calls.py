@@ -11,6 +11,9 @@ import grpc
 
 from ._errors import BrokerBusy, BrokerUnavailable, CallCancelled, HandoffError, LaneBroken, PushAborted
 
+DEFAULT_PORT = 50051
+"""The broker's port when a target names none (gRPC itself would dial 443)."""
+
 MAX_MESSAGE_BYTES = 64 << 20
 """The largest message either side accepts: a chunk of up to this size minus its few header bytes."""
 
@@ -45,6 +48,7 @@ def make_channel(
 @dataclass(frozen=True)
 class RetryPolicy:
     """How the client retries what is safe to retry: exponential backoff with jitter, a bounded number of attempts,
+    target = with_default_port(target)
     and never past the call's own timeout.
 
     Safe: a push that met UNAVAILABLE (the broker drops a broken push at once, and a repeat of a committed one is
@@ -54,6 +58,20 @@ class RetryPolicy:
     """
 
     attempts: int = 4
+def with_default_port(target: str) -> str:
+    """`target` with DEFAULT_PORT added where it names a host and no port: `127.0.0.1`, `broker`, `[::1]`,
+    `dns:///brokers`. Other schemes (`unix:`, `ipv4:`, ...) and targets with a port are left as they are."""
+    prefix = "dns:///" if target.startswith("dns:///") else ""
+    host = target[len(prefix) :]
+    if host.startswith("["):  # [v6] or [v6]:port
+        has_port = "]:" in host
+    elif host.count(":") > 1:  # a bare IPv6 address: a port needs brackets, so none is added
+        has_port = True
+    else:  # host, host:port, or another scheme's scheme:path
+        has_port = ":" in host
+    return target if has_port or not host else f"{target}:{DEFAULT_PORT}"
+
+
     initial_backoff: float = 0.05
     max_backoff: float = 1.0
     multiplier: float = 2.0

@@ -27,6 +27,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
+from ._arguments import as_arrays, checked_position
 from ._calls import (
     CHANNEL_OPTIONS,
     DEFAULT_RETRY,
@@ -46,6 +47,7 @@ from ._proto import handoff_pb2 as pb
 from ._pulls import PullAttempts, PulledTensors, destinations
 from ._pushes import PushAttempts
 from ._shards import Shard, as_shard, view
+from ._status import BrokerStatus
 from ._wire import contract_from_proto, decode_pull_response, identity, message_classes, method_path, shard_to_proto
 
 __all__ = [  # (the names other modules and tests import from here)
@@ -232,6 +234,7 @@ class HandoffClient:
         Every rank pushes under the same id, concurrently; the hand-off is pullable once all have. A sharded push
         that breaks is resumed like a whole one, rank by rank.
         """
+        position, tensors = checked_position(model, position), as_arrays(model, tensors)
         part = as_shard(model, shard)
         contract = view(self.get_contract(model).at(position), part, pushing=True)
         handoff = contract.take(position, cut_to_filled(contract, tensors))
@@ -319,6 +322,7 @@ class HandoffClient:
             if fields["f"] != contract.fingerprint:
                 raise FingerprintMismatch(model, contract.fingerprint, fields["f"])
 
+        into = None if into is None else as_arrays(model, into, "into")
         attempts = PullAttempts(self, model, handoff_id, as_shard(model, shard), into, wait_for_push)
         return self._with_retries(attempts.run, attempts.retryable, timeout)
 
@@ -359,6 +363,7 @@ class HandoffClient:
             lane_kind=lane.kind if lane is not None else pb.LANE_KIND_UNSPECIFIED,
             lane_connections=connections_for(lane, self.lane_connections) if lane is not None else 0,
         )
+        into = None if into is None else as_arrays(model, into, "into")
         arrays = destinations(view(declared, part, pushing=False), into)  # checked before the claim
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)
         return PulledTensors(self, declared, part, handoff_id, stream, deadline, arrays, request)
@@ -373,9 +378,9 @@ class HandoffClient:
         """Free the hand-off wherever it is (router abort); True if there was one to free."""
         return self._call(self._cancel, pb.CancelRequest(model=model, handoff_id=handoff_id), timeout).cancelled
 
-    def status(self, *, timeout: float | None = None) -> pb.StatusResponse:
+    def status(self, *, timeout: float | None = None) -> BrokerStatus:
         """What the broker holds now: hand-offs by state, resident and maximum bytes, the oldest's age."""
-        return self._call(self._status, pb.StatusRequest(), timeout)
+        return BrokerStatus.from_proto(self._call(self._status, pb.StatusRequest(), timeout))
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float | None) -> object:
         try:

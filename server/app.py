@@ -200,18 +200,23 @@ class Broker:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         _serve_reflection(self.server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
         address = f"{_bracketed(config.host)}:{config.port}"
+        credentials = None
         if config.tls_cert is not None and config.tls_key is not None:
             credentials = grpc.ssl_server_credentials(
                 [(config.tls_key, config.tls_cert)],
                 root_certificates=config.tls_client_ca,
                 require_client_auth=config.tls_client_ca is not None,
             )
-            self.port = self.server.add_secure_port(address, credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:  # (grpcio raises "Failed to bind to address", or returns 0 in older releases: the cause is found below)
+            if config.tls_cert is not None and config.tls_key is not None:
+                self.port = self.server.add_secure_port(address, credentials)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
             self._release_ports()
-            raise OSError(f"cannot listen for gRPC (--port) on {config.host}:{config.port}: address in use or not ours")
+            raise OSError(f"cannot listen for gRPC (--port) on {config.host}:{config.port}: {_why_not(config)}")
         if config.metrics_port is not None:
             host = config.metrics_host or config.host
             try:
@@ -343,3 +348,19 @@ def _bound(what: str, host: str, port: int, bind: Callable[[], T]) -> T:
 
 def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _why_not(config: BrokerConfig) -> str:
+    """Why gRPC could not listen on the configured address, found by binding it ourselves ("Address already in
+    use", "Cannot assign requested address", ...); the TLS material when the address itself is free."""
+    import socket
+
+    try:
+        info = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(info[0], info[1]) as probe:
+            probe.bind(info[4])
+    except OSError as e:
+        return e.strerror or str(e)
+    if config.tls_cert is not None:
+        return "gRPC refused the TLS certificate or key (--tls-cert, --tls-key, --tls-client-ca)"
+    return "gRPC could not bind it (GRPC_VERBOSITY=debug says why)"

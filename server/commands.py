@@ -54,12 +54,16 @@ def _security(args: argparse.Namespace) -> dict:
     if args.tls_client_ca and not args.tls_cert:
         raise ManifestError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
     read = lambda path: Path(path).read_bytes() if path else None
-    return {
-        "tls_cert": read(args.tls_cert),
-        "tls_key": read(args.tls_key),
-        "tls_client_ca": read(args.tls_client_ca),
-        "tokens": TokenTable.load(Path(args.tokens)) if args.tokens else None,
-    }
+    files = {"tls_cert": read(args.tls_cert), "tls_key": read(args.tls_key), "tls_client_ca": read(args.tls_client_ca)}
+    if args.tls_cert:
+        from .tls import check_tls_files
+
+        named = lambda flag, path, data: (f"{flag} {path}", data)
+        check_tls_files(named("--tls-cert", args.tls_cert, files["tls_cert"]),
+                        named("--tls-key", args.tls_key, files["tls_key"]),
+                        named("--tls-client-ca", args.tls_client_ca, files["tls_client_ca"]) if args.tls_client_ca
+                        else None)  # fmt: skip
+    return {**files, "tokens": TokenTable.load(Path(args.tokens)) if args.tokens else None}
 
 
 def _connection(args: argparse.Namespace) -> dict:
@@ -143,8 +147,9 @@ def serve(args: argparse.Namespace) -> int:
         keepalive_seconds=args.keepalive,
         keepalive_timeout_seconds=args.keepalive_timeout,
     )
+    _warn_if_small(config.max_bytes, contracts)
     try:
-        broker, port = build_server(config)
+        broker, _ = build_server(config)
     except (OSError, RuntimeError) as e:  # (each names the port it could not listen on)
         print(f"handoff-broker: cannot start: {e}", file=sys.stderr)
         return 2
@@ -162,6 +167,21 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("signal received: draining for up to %ss", args.grace)
     broker.stop(args.grace)
     return 0
+
+
+def _warn_if_small(max_bytes: int, contracts: dict[str, Contract]) -> None:
+    """A --max-bytes too small for what the contracts hand off starts, with a warning per contract it cannot hold
+    at a short prompt, or at its full context (those pushes will be refused as CAPACITY_EXHAUSTED)."""
+    for model, contract in sorted(contracts.items()):
+        tokens = min(SHORT_PROMPT, contract.ctx - 1)
+        if contract.at(tokens).nbytes > max_bytes:
+            logger.warning("--max-bytes %d (%s) holds no hand-off of %s even after %d tokens (%s): every push of it "
+                           "will be refused", max_bytes, human_size(max_bytes), model, tokens,
+                           human_size(contract.at(tokens).nbytes))  # fmt: skip
+        elif contract.nbytes > max_bytes:
+            logger.warning("--max-bytes %d (%s) holds no hand-off of %s at its full context of %d (%s): longer "
+                           "prompts' pushes will be refused", max_bytes, human_size(max_bytes), model, contract.ctx,
+                           human_size(contract.nbytes))  # fmt: skip
 
 
 def contract_from_config(args: argparse.Namespace) -> int:
@@ -211,9 +231,14 @@ def check_contracts(args: argparse.Namespace) -> int:
     return 0
 
 
+SHORT_PROMPT = 1000
+"""The tokens of a typical prompt, at which `status`, `check-contracts` and `contract-from-config` say what a
+hand-off holds beside its full-context size (a hand-off carries only the rows its prompt filled)."""
+
+
 def _short_prompt_bytes(contract: Contract) -> str:
     """What a hand-off after a short prompt carries, for the reader to compare with the full context's bytes."""
-    tokens = min(1000, contract.ctx - 1)
+    tokens = min(SHORT_PROMPT, contract.ctx - 1)
     return f"{contract.at(tokens).nbytes} after {tokens} tokens"
 
 
@@ -241,7 +266,6 @@ def health(args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     """What a live broker holds, read over its GetStatus RPC."""
     from handoff_client import HandoffClient, HandoffError
-    from handoff_client._wire import contract_from_proto
 
     with HandoffClient(args.target, **_connection(args)) as client:
         try:
@@ -260,11 +284,11 @@ def status(args: argparse.Namespace) -> int:
         f"  bytes: {status.resident_bytes} of {status.max_bytes} ({human_size(status.resident_bytes)} of "
         f"{human_size(status.max_bytes)}, {100 * share:.1f}%); {status.tombstones} recently gone remembered"
     )
-    for message in status.contracts:
-        contract = contract_from_proto(message)
+    for contract in status.contracts:
         print(
             f"  contract {contract.model}: ctx {contract.ctx}, {len(contract.carried)} tensors, "
-            f"{contract.nbytes} bytes a hand-off, fingerprint {contract.fingerprint[:16]}"
+            f"{contract.nbytes} bytes a hand-off at the full ctx, {_short_prompt_bytes(contract)}, "
+            f"fingerprint {contract.fingerprint[:16]}"
         )
     return 0
 

@@ -141,10 +141,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--handoff-id", default="demo-request-1")
-    parser.add_argument("--position", type=int, default=100, help="prompt tokens prefilled (default 100)")
-    parser.add_argument("--seed", type=int, default=42)
+    from .flags import count
+
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"the contract to hand off ({DEFAULT_MODEL})")
+    parser.add_argument("--handoff-id", default="demo-request-1", help="the hand-off's id (demo-request-1)")
+    parser.add_argument("--position", type=count(0, 1 << 24, "a number of tokens"), default=100,
+                        help="prompt tokens prefilled (default 100)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=42, help="seeds the tensors both workers compute (42)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import MANIFESTS, assert_same_bits, seeded_tensors
 from handoff_broker.commands import human_size
 from handoff_client import HandoffClient
@@ -213,7 +212,9 @@ with HandoffClient({broker.address!r}) as c:
     assert all((h.state[k].tobytes() == v.tobytes()) for k, v in tensors.items())
 print("ok", sorted(m for m in sys.modules if m.split(".")[0] in {{"handoff_broker", "prometheus_client", "grpc_health"}}))
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=os.environ)
+    result = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60, env=os.environ
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok []"
 
@@ -265,10 +266,10 @@ def test_sizes_take_the_common_spellings_binary_and_decimal(text, value):
 
 def test_a_size_that_is_not_one_says_which_units_exist():
     done = subprocess.run([sys.executable, "-m", "handoff_broker", "serve", "--max-bytes", "16 gigs"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+                          check=False, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and "KiB, MiB, GiB, TiB" in done.stderr and "KB, MB, GB, TB (decimal)" in done.stderr
     done = subprocess.run([sys.executable, "-m", "handoff_broker", "serve", "--max-bytes", "0"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+                          check=False, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and "not a size above 0" in done.stderr
 
 
@@ -289,19 +290,19 @@ def test_the_default_max_bytes_is_half_the_containers_memory_limit_when_it_is_lo
 
 def test_a_bad_value_in_the_environment_is_one_line_naming_it_and_other_commands_run():
     env = {**os.environ, "HANDOFF_MAX_BYTES": "16gigs"}
-    done = subprocess.run([sys.executable, "-m", "handoff_broker", "serve"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "handoff_broker", "serve"], env=env, check=False, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "HANDOFF_MAX_BYTES='16gigs' is not a valid --max-bytes" in done.stderr
     health = subprocess.run([sys.executable, "-m", "handoff_broker", "health", "--target", "127.0.0.1:1",
-                             "--timeout", "1"], env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+                             "--timeout", "1"], env=env, check=False, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert "HANDOFF_MAX_BYTES" not in health.stderr and "UNAVAILABLE" in health.stdout + health.stderr
 
 
 def test_the_log_flags_may_come_after_the_command():
     done = subprocess.run([sys.executable, "-m", "handoff_broker", "contract-from-config", "--help", "--log-format",
-                           "json"], capture_output=True, text=True, timeout=60)  # fmt: skip
+                           "json"], check=False, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0
     done = subprocess.run([sys.executable, "-m", "handoff_broker", "check-contracts", str(MANIFESTS), "--log-format",
-                           "json", "--log-level", "INFO"], capture_output=True, text=True, timeout=60)  # fmt: skip
+                           "json", "--log-level", "INFO"], check=False, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
