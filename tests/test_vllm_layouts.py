@@ -147,3 +147,16 @@ def test_cpu_attn_pages_read_what_vllms_writer_wrote_and_write_what_it_reads(gen
 def test_a_backend_whose_pages_it_does_not_know_is_refused_by_name():
     with pytest.raises(UnsupportedLayout, match="FLEX_ATTENTION"):
         layout_for("FLEX_ATTENTION", GEOMETRY, torch.bfloat16)
+
+
+def test_without_the_layers_impl_the_check_uses_vllms_reshape_and_cache_flash_op():
+    from handoff_client.vllm._pages import cache_writer
+
+    vllm_pages.install_reference_kernel()  # on a CUDA build, vLLM's own op; on this CPU, its reference stand-in
+    pages = vllm_pages.attention_pages("LBNHC", GEOMETRY.kv_heads, GEOMETRY.head_dim, GEOMETRY.block, 16, PAGES)
+    writer = cache_writer(vllm_pages.engine_config({}), "model.layers.9.self_attn.attn")
+    assert writer is not None
+    keys, values = tokens(seed=4)
+    writer(keys, values, pages, slots(16))
+    assert torch.equal(connector_layout("FLASHINFER", pages, writer).gather(pages, BLOCKS, TOKENS)[0],
+                       keys.reshape(TOKENS, -1))  # fmt: skip

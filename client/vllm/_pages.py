@@ -60,15 +60,32 @@ class FlashLayout(PageLayout):
 
 
 def cache_writer(vllm_config: Any, layer_name: str) -> CacheWriter | None:
-    """The cache writer vLLM itself runs for `layer_name` (its attention impl's `do_kv_cache_update`), or None
-    when the layer or its impl is not at hand."""
+    """The cache writer vLLM itself runs for `layer_name` (its attention impl's `do_kv_cache_update`); where the
+    layer or its impl is not at hand, vLLM's `reshape_and_cache_flash` op on the backends' split of the pages, if
+    that op exists here (CUDA builds); else None."""
     layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
     impl = getattr(layer, "impl", None)
     if impl is None or not hasattr(impl, "do_kv_cache_update"):
-        return None
+        return _flash_op_writer()
 
     def write(keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
         impl.do_kv_cache_update(layer, keys, values, pages, slots)
+
+    return write
+
+
+def _flash_op_writer() -> CacheWriter | None:
+    try:
+        from vllm import _custom_ops as ops
+
+        torch.ops._C_cache_ops.reshape_and_cache_flash  # noqa: B018 - absent from CPU builds
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+    def write(keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
+        key_cache, value_cache = pages.transpose(1, 2).split(keys.shape[-1], dim=-1)  # as the backends split it
+        scale = torch.ones((), dtype=torch.float32, device=pages.device)
+        ops.reshape_and_cache_flash(keys, values, key_cache, value_cache, slots, "auto", scale, scale)
 
     return write
 
