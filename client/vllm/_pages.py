@@ -42,9 +42,9 @@ class FlashLayout(PageLayout):
 
     def gather(self, pages: torch.Tensor, block_ids: list[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         blocks, offsets = self._slots(block_ids, 0, rows, pages.device)
-        tokens = pages.transpose(1, 2)[blocks, offsets]  # (rows, kv_heads, 2·head_dim), a copy
-        d = self.geometry.head_dim
-        return tokens[..., :d].reshape(rows, -1), tokens[..., d:].reshape(rows, -1)
+        view, d = pages.transpose(1, 2), self.geometry.head_dim  # (kernel_blocks, kernel_block, kv_heads, 2·head_dim)
+        # Each a fresh (rows, kv_heads, head_dim) tensor (advanced indexing copies), so the reshape is free.
+        return view[blocks, offsets, :, :d].reshape(rows, -1), view[blocks, offsets, :, d:].reshape(rows, -1)
 
     def scatter(
         self, pages: torch.Tensor, block_ids: list[int], first: int, keys: torch.Tensor, values: torch.Tensor
