@@ -5,6 +5,17 @@ and scattered in through a broker on this machine's CPU, checked bit for bit, an
     python benchmarks/gpu_pages.py --device cpu --quick  # the same path on CPU tensors: a smoke run, no figures
     python benchmarks/gpu_pages.py --describe benchmarks/gpu_pages_layouts.json   # where vLLM 0.32 is installed
 
+A GPU machine without network needs this package's dependencies as wheels (it has torch, numpy, grpcio): fetched
+here for its Python (3.10 to 3.13: about 15 MB each, numpy left out),
+
+    pip download -d dist/gpu-wheels/py3.12 --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 'grpcio==1.85.3' 'grpcio-status==1.85.3' 'grpcio-health-checking==1.85.1' \
+        'grpcio-reflection==1.85.1' 'protobuf==7.36.2' prometheus-client cryptography ml_dtypes crc32c setuptools wheel
+    rm dist/gpu-wheels/*/numpy-*            # keep the machine's own numpy, which its torch was built with
+
+and installed there from the repository root: `python3 -m pip install --no-index --find-links
+dist/gpu-wheels/py$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])') '.[server]'`.
+
 vLLM is not needed where it runs: what it must know of vLLM comes from benchmarks/gpu_pages_layouts.json, written by
 `--describe` from the installed vLLM's own code (each KVCacheLayout's stride order, the per-layer view strides vLLM
 makes for a reference model, whether it cuts blocks into kernel blocks, the orientation of GDN and Mamba2 states),
@@ -55,7 +66,7 @@ HYBRID = {"model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 
           "linear_num_value_heads": 32}  # fmt: skip
 
 
-# -- --describe: what vLLM 0.32 does, recorded where vLLM is installed ---------------------------------------------------
+# -- --describe: what vLLM 0.32 does, recorded where vLLM is installed ---------------------------------------------
 
 
 def describe(out: Path) -> None:
@@ -76,7 +87,8 @@ def describe(out: Path) -> None:
             except ValueError:  # vLLM does not cut this layout's blocks
                 continue
             entry["views"].append({"layers": 3, "blocks": blocks, "heads": heads, "block": kernel, "width": 2 * dim,
-                                   "manager_block": block, "shape": list(pages.shape), "stride": list(pages.stride())})  # fmt: skip
+                                   "manager_block": block, "shape": list(pages.shape),
+                                   "stride": list(pages.stride())})  # fmt: skip
         layouts[layout.name] = entry
     mamba = {kind: {"transposed": learn_transposed(kind)} for kind in ("GDN_ATTN", "MAMBA2")}
     out.write_text(json.dumps({"vllm": vllm.__version__, "kv_cache_layouts": layouts, "mamba": mamba}, indent=1))
@@ -114,7 +126,7 @@ def attention_pages(order: list[int], layers: int, blocks: int, heads: int, bloc
     return [raw.as_strided((blocks, heads, block, width), strides[1:], layer * strides[0]) for layer in range(layers)]
 
 
-# -- the worker's path ---------------------------------------------------------------------------------------------------
+# -- the worker's path -----------------------------------------------------------------------------------------------
 
 
 class Side:
@@ -344,11 +356,10 @@ def main() -> None:
                 order = entry["stride_order"]
                 attention_case(client, contracts["dense"], order, 16, 64, tokens, side, device, seed=1)
                 attention_case(client, contracts["dense"], order, 64, 16, tokens, side, device, seed=2)
-                if len(entry["views"]) > 1:  # vLLM cuts this layout's blocks: 64-token blocks of 16-token pages
+                cut = len(entry["views"]) > 1  # vLLM cuts this layout's blocks: 64-token blocks of 16-token pages
+                if cut:
                     attention_case(client, contracts["dense"], order, 64, 16, tokens, side, device, kernel=16, seed=3)
-                print(
-                    f"{name}: bit-exact, blocks 16 -> 64 and 64 -> 16{' and kernel blocks' if len(entry['views']) > 1 else ''}"
-                )
+                print(f"{name}: bit-exact, blocks 16 -> 64 and 64 -> 16{' and kernel blocks' if cut else ''}")
             latent_case(client, contracts["latent"], 16, 64, tokens, side, device)
             latent_case(client, contracts["latent"], 64, 16, tokens, side, device)
             print("MLA latent: bit-exact, blocks 16 -> 64 and 64 -> 16")
@@ -376,15 +387,12 @@ def timed(client, contract, described, side, device, tokens, runs) -> None:
     into = statistics.median(r[2] for r in results)
     plain = [baseline(nbytes, device) for _ in range(runs)]
     plain_out, plain_in = statistics.median(p[0] for p in plain), statistics.median(p[1] for p in plain)
-    print(
-        f"{contract.model}: {len(contract.carried) // 2} layers x {tokens} tokens = {nbytes / GiB:.3f} GiB, median of {runs}"
-    )
-    print(
-        f"  copy-out  (gather + to host)    {nbytes / out / GiB:7.2f} GiB/s   plain torch copy {nbytes / plain_out / GiB:7.2f} GiB/s   ratio {plain_out / out:.2f}"
-    )
-    print(
-        f"  scatter-in (to device + scatter) {nbytes / into / GiB:7.2f} GiB/s   plain torch copy {nbytes / plain_in / GiB:7.2f} GiB/s   ratio {plain_in / into:.2f}"
-    )
+    layers = len(contract.carried) // 2
+    print(f"{contract.model}: {layers} layers x {tokens} tokens = {nbytes / GiB:.3f} GiB, median of {runs}")
+    for what, ours, plain_s in (("copy-out   (gather + to host)", out, plain_out),
+                                ("scatter-in (to device + scatter)", into, plain_in)):  # fmt: skip
+        print(f"  {what:34} {nbytes / ours / GiB:7.2f} GiB/s   plain torch copy {nbytes / plain_s / GiB:7.2f} GiB/s"
+              f"   ratio {plain_s / ours:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

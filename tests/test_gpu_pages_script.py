@@ -25,7 +25,8 @@ def test_the_gpu_page_check_runs_end_to_end_on_cpu_tensors():
     done = run("--device", "cpu", "--quick")
     assert done.returncode == 0, done.stderr[-3000:]
     for line in ("LBHNC: bit-exact, blocks 16 -> 64 and 64 -> 16 and kernel blocks", "BHLNC: bit-exact",
-                 "MLA latent: bit-exact", "GDN state page + attention layer: bit-exact", "copy-out", "scatter-in"):  # fmt: skip
+                 "MLA latent: bit-exact", "GDN state page + attention layer: bit-exact", "copy-out",
+                 "scatter-in"):  # fmt: skip
         assert line in done.stdout, done.stdout
 
 

@@ -43,7 +43,7 @@ def slots(kernel: int) -> torch.Tensor:
     return (manager * ratio + t % GEOMETRY.block // kernel) * kernel + t % kernel
 
 
-# -- FLASH_ATTN, FLASHINFER, TRITON_ATTN: vLLM 0.32's [blocks, kv_heads, block, 2·head_dim] view ------------------------
+# -- FLASH_ATTN, FLASHINFER, TRITON_ATTN: vLLM 0.32's [blocks, kv_heads, block, 2·head_dim] view ----------------------
 
 
 def flash_case(backend: str, layout_name: str, kernel: int):
@@ -113,7 +113,7 @@ def test_gpu_backend_pages_with_no_writer_to_check_against_are_refused():
         layout_for("FLASHINFER", Geometry(4, 64, 32), pages.dtype, pages=pages, writer=None)
 
 
-# -- CPU_ATTN: learned from vLLM's own writer ---------------------------------------------------------------------------
+# -- CPU_ATTN: learned from vLLM's own writer -------------------------------------------------------------------------
 
 
 def written_by_cpu_attn(keys, values) -> torch.Tensor:

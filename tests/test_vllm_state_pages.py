@@ -28,7 +28,8 @@ QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers"
 M_HEADS, M_HEAD_DIM, GROUPS, STATE = 4, 6, 2, 5
 NEMOTRON_H = {"model_type": "nemotron_h", "hybrid_override_pattern": "M*", "num_hidden_layers": 2, "hidden_size": 64,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": M_HEADS,
-              "mamba_head_dim": M_HEAD_DIM, "n_groups": GROUPS, "ssm_state_size": STATE, "conv_kernel": KERNEL}  # fmt: skip
+              "mamba_head_dim": M_HEAD_DIM, "n_groups": GROUPS, "ssm_state_size": STATE,
+              "conv_kernel": KERNEL}  # fmt: skip
 BLOCK_ID = 3
 
 
@@ -134,8 +135,9 @@ def test_a_state_page_converts_to_the_contracts_tensors_and_back(kind, tp, conv_
         mine_conv, mine_s = rank_state(kind, conv, s, rank, tp)
         conv_view[BLOCK_ID] = mine_conv.t() if conv_layout == "DS" else mine_conv  # through vLLM's own views
         state_view[BLOCK_ID] = mine_s.transpose(1, 2) if kind == "gdn" else mine_s  # vLLM: (v_dim, k_dim) per head
+        transposed = learn_transposed(mamba_type.name)
         layout = state_layout(contract_tensors(config, 0, Shard(rank, tp)), shapes, dtypes,
-                              conv_dim_first=conv_layout == "DS", transposed=learn_transposed(mamba_type.name))  # fmt: skip
+                              conv_dim_first=conv_layout == "DS", transposed=transposed)  # fmt: skip
         check_bound_views(layout, pages, (conv_view, state_view), "layers.0")  # the views vLLM's layer reads
         got = layout.gather(pages, BLOCK_ID)
         want = expected(config, 0, conv, s, Shard(rank, tp))

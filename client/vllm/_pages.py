@@ -114,8 +114,9 @@ def verify(layout: FlashLayout, pages: torch.Tensor, writer: CacheWriter | None)
                                 "serve with --kv-cache-dtype auto")  # fmt: skip
     expected = (g.kv_heads, g.kernel, 2 * g.head_dim)
     if pages.dim() != 4 or tuple(pages.shape[1:]) != expected:
-        raise UnsupportedLayout(f"{name}: vLLM registered pages of shape {tuple(pages.shape)}, the connector expects "
-                                f"[blocks, {g.kv_heads}, {g.kernel}, {2 * g.head_dim}] (kv_heads, block, 2·head_dim)")  # fmt: skip
+        raise UnsupportedLayout(f"{name}: vLLM registered pages of shape {tuple(pages.shape)}, the connector "
+                                f"expects [blocks, {g.kv_heads}, {g.kernel}, {2 * g.head_dim}] "
+                                "(kv_heads, block, 2·head_dim)")  # fmt: skip
     if writer is None:
         raise UnsupportedLayout(f"{name}: no cache writer of vLLM's to check the pages against")
     block_ids = [2, 0]  # out of order, the second one partly filled: 3 manager blocks of scratch
