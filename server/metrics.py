@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
@@ -98,6 +98,11 @@ class Metrics:
         )
         for kind in ("push", "pull"):
             self.streams.labels(kind)
+        # What runs, as handoff_build_info{version, python, grpc} = 1, and the process's own RSS, CPU seconds and open
+        # files (process_resident_memory_bytes, process_cpu_seconds_total, process_open_fds, ...: Linux's /proc), so
+        # an operator watches RSS against the container's memory limit beside handoff_resident_bytes.
+        Info("handoff_build", "The broker's release and what it runs on.", registry=registry).info(build_labels())
+        ProcessCollector(registry=registry)
 
     def watch(self, stats: Callable[[], StoreStats]) -> None:
         """Export what the store holds, read at each scrape."""
@@ -126,13 +131,23 @@ class Metrics:
         self.end_to_end_seconds.labels(model).observe(since_push)
 
 
+def build_labels() -> dict[str, str]:
+    """handoff_build_info's labels: this release, the Python and the grpcio it runs on."""
+    import platform
+    from importlib import metadata
+
+    from handoff_client._version import __version__
+
+    return {"version": __version__, "python": platform.python_version(), "grpc": metadata.version("grpcio")}
+
+
 class _StoreCollector(Collector):
     def __init__(self, stats: Callable[[], StoreStats]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self._stats()
-        held = GaugeMetricFamily("handoff_handoffs", "Hand-offs held now, by state.", labels=["state"])
+        held = GaugeMetricFamily("handoff_held", "Hand-offs held now, by state.", labels=["state"])
         for state, count in (("receiving", s.receiving), ("ready", s.ready), ("claimed", s.claimed)):
             held.add_metric([state], count)
         yield held

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import seeded_tensors
 from handoff_client import HandoffClient
+from prometheus_client.parser import text_string_to_metric_families
 from support import header_frame, raises_handoff_error, raw_push
 from test_claims import wait_until
 
@@ -34,7 +33,7 @@ def test_traffic_moves_the_figures_a_dashboard_reads(start_broker, contracts):
         tensors = seeded_tensors(demo)
         client.push("demo-hybrid", "a", 1, tensors)
         held = scrape(broker)
-        assert value(held, "handoff_handoffs", state="ready") == 1
+        assert value(held, "handoff_held", state="ready") == 1
         assert value(held, "handoff_resident_bytes") == demo.nbytes
         assert value(held, "handoff_capacity_bytes") == broker.config.max_bytes
         client.pull("demo-hybrid", "a")
@@ -64,8 +63,8 @@ def test_traffic_moves_the_figures_a_dashboard_reads(start_broker, contracts):
     assert value(after, "handoff_wait_for_decoder_seconds_count", model="demo-hybrid") == 1
     assert value(after, "handoff_resident_bytes") == 0
     assert value(after, "handoff_streams_in_flight", kind="push") == 0
-    for (name, labels), _ in after.items():
-        if name.startswith("handoff_"):
+    for name, labels in after:
+        if name.startswith("handoff_") and name != "handoff_build_info":  # (one series: the release it runs)
             assert {k for k, _ in labels} <= {"model", "outcome", "reason", "state", "kind", "lane", "le"}, name
 
 
@@ -84,3 +83,45 @@ def test_a_broken_pull_is_counted_as_broken_and_returned(start_broker, contracts
     assert value(samples, "handoff_pulls_total", model="wide-attention", outcome="broken") == 1
     assert value(samples, "handoff_pulls_total", model="wide-attention", outcome="delivered") == 1
     assert value(samples, "handoff_lease_returns_total", model="wide-attention") == 1
+
+
+def test_the_build_and_the_process_are_exported_beside_the_hand_offs(start_broker):
+    """Fails before the fix: no handoff_build_info and no process_* metrics, so an operator could not watch the
+    broker's RSS against its memory limit, nor see which release a pod runs."""
+    import platform
+    from importlib import metadata
+
+    import handoff_client
+
+    broker = start_broker(metrics_port=0)
+    samples = scrape(broker)
+    build = {"version": handoff_client.__version__, "python": platform.python_version(),
+             "grpc": metadata.version("grpcio")}  # fmt: skip
+    assert value(samples, "handoff_build_info", **build) == 1
+    assert value(samples, "process_resident_memory_bytes") > 10 << 20  # a Python with grpc and numpy loaded
+    assert value(samples, "process_open_fds") > 0
+    assert value(samples, "process_cpu_seconds_total") > 0
+    assert value(samples, "process_max_fds") > 0
+
+
+def test_no_metric_name_stutters(start_broker):
+    """Fails before the fix: hand-offs held were `handoff_handoffs`."""
+    broker = start_broker(metrics_port=0)
+    names = {name for name, _ in scrape(broker)}
+    ours = {name for name in names if name.startswith("handoff_")}
+    assert "handoff_held" in ours
+    assert not [name for name in ours if name.removeprefix("handoff_").startswith("handoff")]
+
+
+def test_every_metric_the_broker_exports_is_documented(start_broker):
+    """docs/operations.md names each: fails if a metric is added (or renamed) without its line there."""
+    import re
+    from pathlib import Path
+
+    operations = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    broker = start_broker(metrics_port=0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{broker.metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    exported = set(re.findall(r"^# TYPE ((?:handoff|process)_\w+) ", text, re.MULTILINE))  # (samples or none yet)
+    assert "handoff_lane_bytes_total" in exported and "process_resident_memory_bytes" in exported
+    assert sorted(name for name in exported if f"`{name}" not in operations) == []

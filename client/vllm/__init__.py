@@ -8,7 +8,7 @@ a decode instance pulls it into its own pages — whatever block size or attenti
 `kv_role`: kv_producer on the prefill instance, kv_consumer on the decode instance. The producer's request outputs
 carry `kv_transfer_params` {handoff_id, position, model, ticket}; the router passes them to the decode instance's
 request, whose first `position` tokens are then pulled instead of computed (examples/proxy.py). Settings:
-_settings.py. Needs the `vllm` extra: `pip install 'handoff-broker[vllm]'`.
+_settings.py. Needs the `vllm` extra: `pip install '.[vllm]'` in a clone (vLLM 0.32.x: _compat.py).
 """
 
 from __future__ import annotations

