@@ -25,10 +25,11 @@ QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers"
               "num_key_value_heads": 2, "head_dim": 16, "full_attention_interval": 2, "linear_conv_kernel_dim": KERNEL,
               "linear_key_head_dim": K_DIM, "linear_value_head_dim": V_DIM, "linear_num_key_heads": K_HEADS,
               "linear_num_value_heads": V_HEADS}  # fmt: skip
-M_HEADS, M_HEAD_DIM, GROUPS, STATE = 4, 6, 2, 5
+M_HEADS, M_HEAD_DIM, STATE = 4, 6, 5
+GROUPS = {"mamba2": 2, "mamba2-one-group": 1}  # one group at TP 2: every rank holds it (vLLM's extra groups)
 NEMOTRON_H = {"model_type": "nemotron_h", "hybrid_override_pattern": "M*", "num_hidden_layers": 2, "hidden_size": 64,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": M_HEADS,
-              "mamba_head_dim": M_HEAD_DIM, "n_groups": GROUPS, "ssm_state_size": STATE,
+              "mamba_head_dim": M_HEAD_DIM, "n_groups": 2, "ssm_state_size": STATE,
               "conv_kernel": KERNEL}  # fmt: skip
 BLOCK_ID = 3
 
@@ -53,8 +54,8 @@ def vllm_state(kind: str, tp: int):
         shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(tp, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL)
         dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, "auto", "float32")
         return shapes, dtypes, MambaAttentionBackendEnum.GDN_ATTN
-    shapes = MambaStateShapeCalculator.mamba2_state_shape(tp, M_HEADS * M_HEAD_DIM, GROUPS, M_HEADS, M_HEAD_DIM, STATE,
-                                                          KERNEL)  # fmt: skip
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(tp, M_HEADS * M_HEAD_DIM, GROUPS[kind], M_HEADS, M_HEAD_DIM,
+                                                          STATE, KERNEL)  # fmt: skip
     dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(torch.bfloat16, "auto", "float32")
     return shapes, dtypes, MambaAttentionBackendEnum.MAMBA2
 
@@ -80,7 +81,7 @@ def whole_state(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     if kind == "gdn":
         conv_dim, s = 2 * K_HEADS * K_DIM + V_HEADS * V_DIM, (V_HEADS, K_DIM, V_DIM)
     else:
-        conv_dim, s = M_HEADS * M_HEAD_DIM + 2 * GROUPS * STATE, (M_HEADS, M_HEAD_DIM, STATE)
+        conv_dim, s = M_HEADS * M_HEAD_DIM + 2 * GROUPS[kind] * STATE, (M_HEADS, M_HEAD_DIM, STATE)
     return torch.randn((KERNEL - 1, conv_dim), generator=g).to(torch.bfloat16), torch.randn(s, generator=g)
 
 
@@ -90,11 +91,11 @@ def rank_state(kind: str, conv: torch.Tensor, s: torch.Tensor, rank: int, tp: in
     if kind == "gdn":
         segments = [(K_HEADS, K_DIM), (K_HEADS, K_DIM), (V_HEADS, V_DIM)]
     else:
-        segments = [(M_HEADS, M_HEAD_DIM), (GROUPS, STATE), (GROUPS, STATE)]
+        segments = [(M_HEADS, M_HEAD_DIM), (GROUPS[kind], STATE), (GROUPS[kind], STATE)]
     pieces, first = [], 0
     for heads, dim in segments:
-        each = heads // tp
-        pieces.append(conv[:, first + rank * each * dim : first + (rank + 1) * each * dim])
+        held = rank * heads // tp, rank * heads // tp + max(1, heads // tp)  # fewer heads than ranks: replicated
+        pieces.append(conv[:, first + held[0] * dim : first + held[1] * dim])
         first += heads * dim
     each = s.shape[0] // tp
     return torch.cat(pieces, dim=1), s[rank * each : (rank + 1) * each]
@@ -125,9 +126,9 @@ def expected(config: dict, layer: int, conv: torch.Tensor, s: torch.Tensor, shar
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+@pytest.mark.parametrize("kind", ["gdn", "mamba2", "mamba2-one-group"])
 def test_a_state_page_converts_to_the_contracts_tensors_and_back(kind, tp, conv_layout):
-    config = QWEN3_NEXT if kind == "gdn" else NEMOTRON_H
+    config = QWEN3_NEXT if kind == "gdn" else {**NEMOTRON_H, "n_groups": GROUPS[kind]}
     shapes, dtypes, mamba_type = vllm_state(kind, tp)
     conv, s = whole_state(kind, seed=1)
     for rank in range(tp):
