@@ -71,6 +71,8 @@ def test_gpu_backend_pages_read_and_written_as_the_backend_does(backend, layout_
     got_keys, got_values = pages_layout.gather(pages, BLOCKS, TOKENS)
     assert torch.equal(got_keys, keys.reshape(TOKENS, -1)) and torch.equal(got_values, values.reshape(TOKENS, -1))
     assert torch.equal(pages_layout.gather(pages, BLOCKS, 7)[1], values.reshape(TOKENS, -1)[:7])  # under a block
+    windowed = [0, *BLOCKS[1:]]  # a sliding window's first block nulled: from token 40 on, never read
+    assert torch.equal(pages_layout.gather(pages, windowed, TOKENS, first=40)[0], keys.reshape(TOKENS, -1)[40:])
 
     # Written by the connector in two pieces (the second from mid-block) into pages of other content, and read
     # through the views the backend's own write splits the pages into:
@@ -136,6 +138,8 @@ def test_cpu_attn_pages_read_what_vllms_writer_wrote_and_write_what_it_reads(gen
         pages_layout = layout_for("CPU_ATTN", GEOMETRY, torch.bfloat16, "vec", pages=pages)
     got_keys, got_values = pages_layout.gather(pages, BLOCKS, TOKENS)
     assert torch.equal(got_keys, keys.reshape(TOKENS, -1)) and torch.equal(got_values, values.reshape(TOKENS, -1))
+    windowed = [0, *BLOCKS[1:]]  # a sliding window's first block nulled: from token 40 on, never read
+    assert torch.equal(pages_layout.gather(pages, windowed, TOKENS, first=40)[1], values.reshape(TOKENS, -1)[40:])
     other = written_by_cpu_attn(*tokens(seed=2))
     pages_layout.scatter(other, BLOCKS, 0, got_keys[:40], got_values[:40])
     pages_layout.scatter(other, BLOCKS, 40, got_keys[40:], got_values[40:])

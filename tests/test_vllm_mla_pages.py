@@ -60,6 +60,7 @@ def test_mla_latent_rows_read_back_exactly_and_land_where_vllms_writer_puts_them
     cpu_mla_writer(latent[:, :RANK], latent[:, RANK:], pages, slots(kernel, BLOCKS, BLOCK, TOKENS))
     layout = latent_layout("CPU_MLA", LatentGeometry(WIDTH, BLOCK, rank=RANK), pages=pages, writer=cpu_mla_writer)
     assert torch.equal(layout.gather(pages, BLOCKS, TOKENS), latent)
+    assert torch.equal(layout.gather(pages, [0, *BLOCKS[1:]], TOKENS, first=BLOCK + 3), latent[BLOCK + 3 :])
 
     # Scattered by the connector (two pieces, the second mid-block) into other pages: byte for byte what vLLM's own
     # writer makes of the same rows.

@@ -20,6 +20,10 @@ Block ids are the scheduler's (manager) blocks of `Geometry.block` tokens. vLLM 
 `block // kernel_block` kernel blocks (`kernel_block_size`), which is what the page tensor's first axis counts:
 manager block b is kernel blocks b·r … b·r + r − 1. A layout learns the kernel block from the pages themselves.
 
+`gather(pages, block_ids, rows, first=0)` reads tokens [first, rows) and `scatter(pages, block_ids, first, keys,
+values)` writes tokens [first, first + n); neither touches a block wholly outside its tokens, so a sliding window's
+nulled blocks (id 0) before `first` are never read or written.
+
 A backend not listed is refused at start-up with its name (`UnsupportedLayout`): a silent wrong copy would give
 garbage tokens. `gather` returns copies (the pages are free to be reused at once); `scatter` writes only the rows
 it is given and leaves every other slot of the blocks as it was.
@@ -91,13 +95,17 @@ class PageLayout:
     def __init__(self, geometry: Geometry) -> None:
         self.geometry = geometry
 
-    def gather(self, pages: torch.Tensor, block_ids: list[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of tokens [0, rows) of the request whose blocks are `block_ids`, as (rows, heads·dim)."""
+    def gather(
+        self, pages: torch.Tensor, block_ids: list[int], rows: int, first: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens [first, rows) of the request whose blocks are `block_ids`, as (rows - first,
+        heads·dim). Blocks wholly before `first` are not read (a sliding window's nulled blocks may stand there)."""
         g = self.geometry
-        ids = kernel_block_ids(g, block_ids)[: math.ceil(rows / g.kernel)]
+        ids = kernel_block_ids(g, block_ids)[first // g.kernel : math.ceil(rows / g.kernel)]
         keys, values = self._blocks(pages, ids)
-        width = g.kv_heads * g.head_dim
-        return keys.reshape(-1, width)[:rows].clone(), values.reshape(-1, width)[:rows].clone()
+        width, base = g.kv_heads * g.head_dim, (first // g.kernel) * g.kernel
+        return (keys.reshape(-1, width)[first - base : rows - base].clone(),
+                values.reshape(-1, width)[first - base : rows - base].clone())  # fmt: skip
 
     def scatter(
         self, pages: torch.Tensor, block_ids: list[int], first: int, keys: torch.Tensor, values: torch.Tensor

@@ -9,7 +9,7 @@ LatentLayout moves rows and nothing else, across any two block sizes.
 API for the worker (same block ids and rows as PageLayout, one tensor instead of two):
 
     layout = latent_layout(backend, LatentGeometry(width, block), pages=pages, writer=mla_cache_writer(cfg, name))
-    latent = layout.gather(pages, block_ids, rows)          # (rows, width), a copy
+    latent = layout.gather(pages, block_ids, rows)          # (rows, width), a copy (first=: from a later token)
     layout.scatter(pages, block_ids, first, latent_rows)    # writes tokens [first, first + len(latent_rows))
 
 With `pages`, the layout is verified on their device through the layer's own `impl.do_kv_cache_update`, as the
@@ -68,9 +68,10 @@ class LatentLayout:
         tokens = torch.arange(first, end, dtype=torch.long)
         return torch.tensor(ids, dtype=torch.long)[tokens // g.kernel].to(device), (tokens % g.kernel).to(device)
 
-    def gather(self, pages: torch.Tensor, block_ids: list[int], rows: int) -> torch.Tensor:
-        """Latents of tokens [0, rows) of the request whose blocks are `block_ids`, as (rows, width): a copy."""
-        blocks, offsets = self._slots(block_ids, 0, rows, pages.device)
+    def gather(self, pages: torch.Tensor, block_ids: list[int], rows: int, first: int = 0) -> torch.Tensor:
+        """Latents of tokens [first, rows) of the request whose blocks are `block_ids`, as (rows - first, width):
+        a copy; blocks wholly before `first` are not read."""
+        blocks, offsets = self._slots(block_ids, first, rows, pages.device)
         return pages[:, 0][blocks, offsets]
 
     def scatter(self, pages: torch.Tensor, block_ids: list[int], first: int, latent: torch.Tensor) -> None:

@@ -40,11 +40,14 @@ class FlashLayout(PageLayout):
         tokens = torch.arange(first, end, dtype=torch.long)
         return ids[tokens // g.kernel].to(device), (tokens % g.kernel).to(device)
 
-    def gather(self, pages: torch.Tensor, block_ids: list[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks, offsets = self._slots(block_ids, 0, rows, pages.device)
+    def gather(
+        self, pages: torch.Tensor, block_ids: list[int], rows: int, first: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks, offsets = self._slots(block_ids, first, rows, pages.device)
         view, d = pages.transpose(1, 2), self.geometry.head_dim  # (kernel_blocks, kernel_block, kv_heads, 2·head_dim)
-        # Each a fresh (rows, kv_heads, head_dim) tensor (advanced indexing copies), so the reshape is free.
-        return view[blocks, offsets, :, :d].reshape(rows, -1), view[blocks, offsets, :, d:].reshape(rows, -1)
+        # Each a fresh (rows - first, kv_heads, head_dim) tensor (advanced indexing copies), so the reshape is free.
+        n = rows - first
+        return view[blocks, offsets, :, :d].reshape(n, -1), view[blocks, offsets, :, d:].reshape(n, -1)
 
     def scatter(
         self, pages: torch.Tensor, block_ids: list[int], first: int, keys: torch.Tensor, values: torch.Tensor
