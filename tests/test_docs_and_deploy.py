@@ -1,4 +1,5 @@
-"""What the README, the Dockerfile and the compose file promise is what the code does."""
+"""What the docs, the Dockerfile and the compose file promise is what the code does (the README's own commands:
+test_readme.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from handoff_client import _errors
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+PROTOCOL = (ROOT / "docs" / "protocol.md").read_text()
+CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
 
 
-def test_the_readme_error_table_lists_every_reason_with_its_status_and_exception():
-    rows = re.findall(r"^\| `([A-Z_]+)` \| `([A-Z_]+)` \| `(\w+)` \|", README, re.MULTILINE)
+def test_the_protocol_error_table_lists_every_reason_with_its_status_and_exception():
+    rows = re.findall(r"^\| `([A-Z_]+)` \| `([A-Z_]+)` \| `(\w+)` \|", PROTOCOL, re.MULTILINE)
     table = {reason: (code, name) for reason, code, name in rows}
     want = {reason: (cls.code.name, cls.__name__) for reason, cls in _errors.BY_REASON.items()}
     assert table == want
@@ -29,11 +32,11 @@ def test_the_readme_starts_with_the_two_commands_and_ci_runs_its_test_command():
     assert (ROOT / ".ci" / "run").read_text().rstrip().splitlines()[-1] == test
 
 
-def test_the_readme_documents_every_serve_flag():
+def test_the_configuration_page_documents_every_serve_flag():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {option for action in serve._actions for option in action.option_strings if option.startswith("--")}
-    documented = set(re.findall(r"^\| `(--[a-z-]+)", README, re.MULTILINE))
-    documented |= set(re.findall(r"^\| `--[a-z-]+`, `(--[a-z-]+)", README, re.MULTILINE))
+    documented = set(re.findall(r"^\| `(--[a-z-]+)", CONFIGURATION, re.MULTILINE))
+    documented |= set(re.findall(r"^\| `--[a-z-]+`, `(--[a-z-]+)", CONFIGURATION, re.MULTILINE))
     assert flags - {"--help"} == documented
 
 
