@@ -1,24 +1,35 @@
 # The broker alone: a slim Python, the package with its [server] extra, a non-root user.
 #   docker build -t handoff-broker:0.1.0 .     (the name deploy/kubernetes/broker.yaml and docker-compose.yml use)
-# The base is pinned to an exact release; pin it by digest too (python:3.11.7-slim-bookworm@sha256:...) where your
-# registry policy asks for it.
-FROM python:3.11.7-slim-bookworm
+# The base is the current Python 3.11 patch release, pinned exactly; pin it by digest too
+# (python:3.11.15-slim-bookworm@sha256:...) where your registry policy asks for it.
+FROM python:3.11.15-slim-bookworm
 
+# Every Python dependency comes from requirements/broker.lock, pinned with its sha256 hashes (pip refuses any file
+# whose hash differs). It is generated, never edited by hand; after changing pyproject.toml's dependencies:
+#   pip install pip-tools && pip-compile --extra server --generate-hashes --allow-unsafe --strip-extras \
+#       --no-emit-index-url --no-emit-find-links -o requirements/broker.lock pyproject.toml requirements/build.in
 WORKDIR /src
+COPY requirements/broker.lock ./requirements/
+RUN pip install --no-cache-dir --require-hashes --only-binary=:all: -r requirements/broker.lock
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY client ./client
 COPY server ./server
-RUN pip install --no-cache-dir '.[server]' && rm -rf /src
+# The package itself, against the locked dependencies only (no resolver, nothing fetched).
+RUN pip install --no-cache-dir --no-deps --no-build-isolation . && rm -rf /src
 
 RUN useradd --system --uid 10001 --no-create-home broker
-USER broker
-WORKDIR /home/broker
+USER 10001
+WORKDIR /tmp
 
+# The broker's port is HANDOFF_PORT (serve reads it, as it reads every flag from HANDOFF_*), so the HEALTHCHECK
+# follows it: `docker run -e HANDOFF_PORT=6000 ...` listens and is probed on 6000.
+ENV HANDOFF_PORT=50051 \
+    PYTHONDONTWRITEBYTECODE=1
 EXPOSE 50051 9464 50052
 # The same gRPC health check Kubernetes probes use.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=5s --retries=3 \
-    CMD ["handoff-broker", "health", "--target", "127.0.0.1:50051"]
+    CMD ["sh", "-c", "exec handoff-broker health --target \"127.0.0.1:${HANDOFF_PORT}\""]
 
 ENTRYPOINT ["handoff-broker"]
-CMD ["serve", "--host", "0.0.0.0", "--port", "50051", "--lane-port", "50052"]
+CMD ["serve", "--host", "0.0.0.0", "--lane-port", "50052"]

@@ -4,6 +4,7 @@ test_readme.py)."""
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import yaml
@@ -52,8 +53,9 @@ def test_the_dockerfile_runs_commands_the_cli_accepts():
     assert entrypoint == ["handoff-broker"]
     args = build_parser().parse_args(_dockerfile_instruction("CMD"))
     assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 50051)
-    health = build_parser().parse_args(_dockerfile_instruction("HEALTHCHECK")[1:])
-    assert (health.command, health.target) == ("health", "127.0.0.1:50051")
+    probe = _dockerfile_instruction("HEALTHCHECK")  # ["sh", "-c", "exec handoff-broker health --target ...PORT"]
+    health = build_parser().parse_args(shlex.split(probe[-1].replace("${HANDOFF_PORT}", str(args.port)))[2:])
+    assert (health.command, health.target) == ("health", f"127.0.0.1:{args.port}")  # (tests/test_deploy.py runs it)
     assert "EXPOSE 50051 9464 50052" in (ROOT / "Dockerfile").read_text()
     assert re.search(r"^USER (?!root)\w+", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
 
@@ -92,8 +94,9 @@ def test_the_kubernetes_manifests_parse_and_agree_with_the_cli():
 
     documents = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/broker.yaml").read_text()))
     kinds = {d["kind"]: d for d in documents}
-    assert set(kinds) == {"Service", "StatefulSet", "PodMonitor"}
-    service, stateful, monitor = kinds["Service"], kinds["StatefulSet"], kinds["PodMonitor"]
+    assert set(kinds) == {"Service", "StatefulSet"}  # (the PodMonitor, which needs the operator's CRDs: monitoring/)
+    service, stateful = kinds["Service"], kinds["StatefulSet"]
+    monitor = yaml.safe_load((ROOT / "deploy/kubernetes/monitoring/podmonitor.yaml").read_text())
     assert service["spec"]["clusterIP"] == "None"  # headless: DNS lists every pod, for dns:/// clients
     container = stateful["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args(container["args"])
