@@ -75,6 +75,60 @@ def test_a_mamba2_layers_state_at_each_rank_is_what_vllm_holds_there(name, tp):
         assert (mine[3].heads, mine[3].rows, mine[3].head_dim) == state  # (heads / tp, head_dim, state)
 
 
+def transformers_configs() -> dict:
+    """Tiny configs as transformers' own config classes write them (config.json as `save_pretrained` would), with
+    the sizes vLLM's model code reads from the same object: (intermediate, groups, heads, head_dim, state, kernel)
+    for Mamba2 (vLLM models/nemotron_h.py, granitemoehybrid.py, falcon_h1.py), (key heads, value heads, k_dim,
+    v_dim, kernel) for gated-delta layers (models/qwen3_next.py, qwen3_5.py)."""
+    t = pytest.importorskip("transformers")
+    gdn = dict(hidden_size=256, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=32, linear_value_head_dim=64, num_key_value_heads=2, head_dim=64)  # fmt: skip
+    made = {
+        "nemotron_h": t.NemotronHConfig(hidden_size=256, layers_block_type=["linear_attention", "mlp", "full_attention",
+            "moe"], mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+        "granitemoehybrid": t.GraniteMoeHybridConfig(hidden_size=256, num_hidden_layers=4, layer_types=["mamba",
+            "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, num_attention_heads=4,
+            num_key_value_heads=2),
+        "falcon_h1": t.FalconH1Config(hidden_size=256, num_hidden_layers=2, mamba_d_ssm=512, mamba_n_heads=8,
+            mamba_n_groups=1, mamba_d_state=16, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+        "qwen3_next": t.Qwen3NextConfig(**gdn),
+        "qwen3_5": t.Qwen3_5Config(text_config=gdn),
+        "qwen3_5_moe": t.Qwen3_5MoeConfig(text_config=gdn),
+    }  # fmt: skip
+    sizes = {}
+    for name, c in made.items():
+        if name == "nemotron_h":
+            sizes[name] = (c.mamba_num_heads * c.mamba_head_dim, c.n_groups, c.mamba_num_heads, c.mamba_head_dim,
+                           c.ssm_state_size, c.conv_kernel)  # fmt: skip
+        elif name in ("granitemoehybrid", "falcon_h1"):
+            inner = c.mamba_expand * c.hidden_size if getattr(c, "mamba_d_ssm", None) is None else c.mamba_d_ssm
+            sizes[name] = (inner, c.mamba_n_groups, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_d_conv)
+        else:
+            text = getattr(c, "text_config", c)
+            sizes[name] = (text.linear_num_key_heads, text.linear_num_value_heads, text.linear_key_head_dim,
+                           text.linear_value_head_dim, text.linear_conv_kernel_dim)  # fmt: skip
+    return {name: (json.loads(c.to_json_string()), sizes[name]) for name, c in made.items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_configs_as_transformers_writes_them_derive_the_state_vllm_allocates_for_them(tp):
+    calculator = vllm_shapes()
+    for name, (written, sizes) in transformers_configs().items():
+        contract = contract_from_config(written, ctx=16, model=name)
+        states = [t for t in contract.carried if not t.rows_are_positions]
+        assert states, name
+        if len(sizes) == 6:
+            conv, state = calculator.mamba2_state_shape(tp, *sizes)
+        else:
+            conv, state = calculator.gated_delta_net_state_shape(tp, *sizes)
+        layer = states[0].layer
+        view = ShardContract.of(contract, Shard(tp - 1, tp), pushing=False)
+        mine = [view.tensor(t.name) for t in contract.of_layer(layer) if not t.rows_are_positions]
+        assert (mine[0].rows, sum(t.cols for t in mine[:-1])) == conv, name
+        assert mine[-1].values == state[0] * state[1] * state[2] and mine[-1].heads == state[0], name
+
+
 @pytest.mark.parametrize("name,window", [("gemma-3-1b", 512), ("mistral-7b-v0.1", 4096)])
 def test_a_sliding_window_ring_holds_exactly_the_rows_vllm_keeps(name, window):
     manager = pytest.importorskip("vllm.v1.core.single_type_kv_cache_manager").SlidingWindowManager
