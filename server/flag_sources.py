@@ -36,6 +36,8 @@ class EnvDefaults(argparse.ArgumentParser):
                 kind = kwargs.get("type", str)
                 if kwargs.get("action") in ("store_true", "store_false"):  # a switch: HANDOFF_NO_LANES=1 sets it
                     kind = _switch(kwargs["action"] == "store_true")
+                elif kwargs.get("action") == "append":  # a repeatable flag: one value from the environment
+                    kind = _one_of_many(kind)
                 try:
                     kwargs["default"] = kind(os.environ[variable])  # type: ignore[operator]
                 except (ValueError, argparse.ArgumentTypeError) as e:  # said if this command runs, not otherwise
@@ -51,6 +53,11 @@ TOP_LEVEL_FLAGS = ("--help", "--log-level", "--log-format")  # read from the env
 def env_variable(flag: str) -> str:
     """The environment variable a flag may come from: `--max-bytes` -> `HANDOFF_MAX_BYTES`."""
     return ENV_PREFIX + flag[2:].replace("-", "_").upper()
+
+
+def _one_of_many(parse: Callable[[str], object]) -> Callable[[str], list[object]]:
+    """How a repeatable flag's environment variable reads: one value, as a list of it."""
+    return lambda text: [parse(text)]
 
 
 def _switch(set_means: bool) -> Callable[[str], bool]:

@@ -86,6 +86,12 @@ def test_the_environment_is_checked_as_the_flag_is_and_named(capsys, monkeypatch
     assert "HANDOFF_METRICS_PORT='70000' is not a valid --metrics-port" in refusal(capsys, "serve")
 
 
+def test_a_repeatable_flag_from_the_environment_is_a_list_of_one(monkeypatch):
+    """Fails before the fix: HANDOFF_MODEL_CONFIG=x.json became the string "x.json", read character by character."""
+    monkeypatch.setenv("HANDOFF_MODEL_CONFIG", "llama=config.json")
+    assert build_parser().parse_args(["serve"]).model_config == ["llama=config.json"]
+
+
 def test_a_config_file_value_is_checked_as_the_flag_is_and_named_by_its_key(capsys, tmp_path: Path):
     """Fails before the fix: `ttl = "five"` was a ValueError traceback, and `ttl = -5` was accepted."""
     config = tmp_path / "broker.toml"
