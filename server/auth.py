@@ -3,7 +3,9 @@
     prefill   PushHandoff, GetPushProgress, CancelHandoff
     decode    PullHandoff, ConfirmHandoff
     admin     GetStatus
-    any role  ListContracts, GetContract, GetLanes (both workers need the contract, and may take a lane)
+    prefill, decode   GetLanes (the workers that push and pull: it shows the shared-memory lane's socket path and
+              the host's boot id, which no other role needs)
+    any role  ListContracts, GetContract (both workers need the contract)
 
 Health and reflection stay open, for probes and grpcurl. Tokens are never stored or logged: the token file holds
 their sha256, and an incoming token's hash is compared with every entry in constant time. The file (or the
@@ -41,7 +43,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "GetStatus": frozenset({"admin"}),
     "ListContracts": ROLES,
     "GetContract": ROLES,
-    "GetLanes": ROLES,
+    "GetLanes": frozenset({"prefill", "decode"}),
 }
 
 

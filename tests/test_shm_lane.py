@@ -7,6 +7,7 @@ lane's wire by hand. (Every test of test_roundtrip, test_claims and test_tensor_
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -15,20 +16,23 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from certs import Authority
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
+from handoff_broker.auth import TokenTable, hash_token
 from handoff_client import HandoffClient
 from handoff_client._contract import Carried, Contract
-from handoff_client._errors import BadChunk, CallCancelled, LaneBroken
+from handoff_client._errors import BadChunk, CallCancelled, LaneBroken, from_rpc_error
 from handoff_client._frames import crc32c
 from handoff_client._lane import FRAME, new_capability
 from handoff_client._lane_choice import choose
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._ring import PIECE, RingFrames, map_ring, new_ring, open_ring_lane
+from handoff_client._wire import method_path
 from lane_wire import pull_call, push_call, result
-from support import raises_handoff_error
+from support import open_channel, raises_handoff_error
 
 ROWS, COLS = 1024, 1024  # 4 MiB a tensor in float32: well past the lanes' 1 MiB floor
 LARGE = Contract("large", ROWS + 1, 64, tuple(Carried(f"k{i}", i, ROWS, COLS, "float32") for i in range(4)))
@@ -137,6 +141,23 @@ def test_the_lanes_socket_admits_only_the_brokers_user(shm_broker):
     other = subprocess.run(["/usr/bin/python3", "-c", probe, path], user=65534, capture_output=True, text=True,
                            timeout=30, cwd="/", check=False)  # fmt: skip
     assert other.stdout.strip() == "PermissionError", other
+
+
+def test_only_the_workers_that_push_and_pull_are_shown_the_lanes_socket_path_and_boot_id(start_broker, tmp_path):
+    """GetLanes names the socket's path and the host's boot id: a token of the admin role (status), which takes no
+    lane, is refused it; once, any token holder saw them."""
+    tokens = [{"name": name, "sha256": hash_token(name), "roles": [name]} for name in ("prefill", "decode", "admin")]
+    (tmp_path / "tokens.json").write_text(json.dumps({"tokens": tokens}))
+    broker = start_broker(contracts={"large": LARGE}, tokens=TokenTable.load(tmp_path / "tokens.json"))
+    with open_channel(broker.address) as channel:
+        lanes = channel.unary_unary(method_path("GetLanes"), request_serializer=pb.LanesRequest.SerializeToString,
+                                    response_deserializer=pb.LanesResponse.FromString)  # fmt: skip
+        for role in ("prefill", "decode"):
+            offered = lanes(pb.LanesRequest(), metadata=[("authorization", f"Bearer {role}")], timeout=10).lanes
+            assert any(lane.path and lane.host_id for lane in offered), role
+        with pytest.raises(grpc.RpcError) as refused:
+            lanes(pb.LanesRequest(), metadata=[("authorization", "Bearer admin")], timeout=10)
+    assert from_rpc_error(refused.value).reason == "PERMISSION_DENIED"
 
 
 def test_a_shared_memory_lane_out_of_reach_sends_the_client_to_the_tcp_lane(start_broker, tmp_path, caplog):
