@@ -17,9 +17,21 @@ DEFAULT_PORT = 50051
 MAX_MESSAGE_BYTES = 64 << 20
 """The largest message either side accepts: a chunk of up to this size minus its few header bytes."""
 
+RECONNECT_BACKOFF_MS = (100, 1000)
+"""gRPC's reconnect backoff, first and longest (ms; gRPC adds 20 % jitter): a broker that restarts is reached within
+about a second of its coming back. gRPC's defaults (1 s, growing 1.6x to 120 s) kept clients of a broker that was
+down for a few seconds away from it for up to 30 s after it was back."""
+
+CONNECT_TIMEOUT_MS = 5000
+"""The least time one connection attempt gets (gRPC's `min_reconnect_backoff_ms`, 20 s by default): a broker whose
+host went away (its packets dropped, not refused) is known unreachable after this, not after 20 s."""
+
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
 )
 
 

@@ -36,8 +36,15 @@ def etcd_call(endpoint: str, path: str, body: dict, timeout: float = 3.0) -> dic
 
 def list_values(url: str, timeout: float = 3.0) -> list[str]:
     """The values of every key under the URL's prefix, sorted."""
+    return sorted(list_registrations(url, timeout))
+
+
+def list_registrations(url: str, timeout: float = 3.0) -> dict[str, str]:
+    """Each value under the URL's prefix (a broker's address) and the lease its key is held under: a broker that
+    registers again (restarted, or its lease lapsed) holds its key under a new lease, so a client can tell a new
+    registration of the same address from the one it knew."""
     endpoint, prefix = parse_etcd_url(url)
     start = prefix + "/"
     end = prefix + chr(ord("/") + 1)  # every key that starts with the prefix and its slash
     kvs = etcd_call(endpoint, "kv/range", {"key": b64(start), "range_end": b64(end)}, timeout).get("kvs", [])
-    return sorted(base64.b64decode(kv["value"]).decode() for kv in kvs)
+    return {base64.b64decode(kv["value"]).decode(): str(kv.get("lease", "")) for kv in kvs}

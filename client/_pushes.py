@@ -25,6 +25,23 @@ if TYPE_CHECKING:
 Held = dict[str, list[tuple[int, int]]] | None
 """Byte ranges of each tensor the broker already holds of a push being resumed (None: a whole push)."""
 
+BROKER_VERDICT_SECONDS = 0.25
+"""How long a push whose lane could not be reached waits for its call to end before it blames the lane: a broker
+that is gone (its connection refused) fails the call within milliseconds, and the push goes on, as UNAVAILABLE, to
+the next broker, on that one's lane; a live broker waits for the lane, and only then is the lane left alone for
+LANE_RETRY_AFTER seconds."""
+
+
+def _ended(call: grpc.Future, within: float) -> grpc.RpcError | None:
+    """The call's error, if it ends with one within `within` seconds."""
+    try:
+        error = call.exception(timeout=within)
+    except grpc.FutureTimeoutError:
+        return None
+    except grpc.FutureCancelledError:
+        return None
+    return error if isinstance(error, grpc.RpcError) else None
+
 
 class PushAttempts:
     """Successive attempts at one push of `handoff` (already checked against `contract`, the pushing rank's view)."""
@@ -109,6 +126,9 @@ class PushAttempts:
         try:
             frames = open_frames(lane, client.target, capability, timeout, "push", call.done, connections)
         except LaneUnreachable as e:
+            gone = _ended(call, BROKER_VERDICT_SECONDS)
+            if gone is not None:  # the broker itself is gone (killed, restarting): not a lane that broke
+                raise from_rpc_error(gone) from None
             call.cancel()
             client._lane_unreachable(lane)
             raise LaneBroken(self.contract.model, f"{describe(lane, client.target)}: {e}") from None

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,7 +30,7 @@ from .auth import AuthInterceptor, TokenTable
 from .contracts import default_contracts
 from .lanes import LaneListener
 from .metrics import Metrics, MetricsServer
-from .registry import EtcdRegistration
+from .registry import FLEET_HEALTH_SERVICE, EtcdRegistration
 from .rpc import rpc_handler
 from .service import HandoffBrokerServicer
 from .store import Store, StoreConfig, StoreStats
@@ -254,9 +254,10 @@ class Broker:
         self.server.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._in_fleet(not self.config.etcd)  # (with --etcd: out until registered)
         if self.config.etcd:
             self.registration = EtcdRegistration(
-                self.config.etcd, self.config.advertise or self.address, self.config.etcd_lease
+                self.config.etcd, self.config.advertise or self.address, self.config.etcd_lease, self._in_fleet
             )
             self.registration.start()
         tls = "mutual TLS" if self.config.tls_client_ca else "TLS" if self.config.tls_cert else "no TLS"
@@ -277,6 +278,12 @@ class Broker:
         )
         return self
 
+    def _in_fleet(self, registered: bool) -> None:
+        """Whether the broker is in its fleet's set, told to probes (FLEET_HEALTH_SERVICE) and to Prometheus."""
+        serving = health_pb2.HealthCheckResponse.SERVING if registered else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set(FLEET_HEALTH_SERVICE, serving)
+        self.metrics.fleet_registered.set(int(registered))
+
     def stop(self, grace: float = 5.0) -> StoreStats:
         """Drain, give streams in flight `grace` seconds, stop; the stats of what was still held.
 
@@ -286,6 +293,7 @@ class Broker:
         """
         if self.registration is not None:
             self.registration.stop(revoke=True)  # leave the fleet first: clients stop choosing this broker
+        self._in_fleet(False)
         self.health.enter_graceful_shutdown()
         self.store.drain()
         self.store.settled(grace)
@@ -306,7 +314,7 @@ class Broker:
         )
         return stats
 
-    def __enter__(self) -> Broker:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -96,6 +96,12 @@ class Metrics:
         self.streams = Gauge(
             "handoff_streams_in_flight", "Push and pull streams open now.", ["kind"], registry=registry
         )
+        self.fleet_registered = Gauge(
+            "handoff_fleet_registered",
+            "1 while the broker is in its fleet's set (registered in etcd under a live lease; always, without "
+            "--etcd); 0 while it is out of it: its lease lapsed and it has not registered again yet, or it drains.",
+            registry=registry,
+        )
         for kind in ("push", "pull"):
             self.streams.labels(kind)
         # What runs, as handoff_build_info{version, python, grpc} = 1, and the process's own RSS, CPU seconds and open

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
-
 from conftest import assert_same_bits, seeded_tensors
 from handoff_client import FleetClient, HandoffClient
 from test_claims import wait_until
@@ -27,6 +30,13 @@ def free_port() -> int:
 
 @pytest.fixture
 def etcd(tmp_path):
+    with running_etcd(tmp_path) as (url, _):
+        yield url
+
+
+@contextmanager
+def running_etcd(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """etcd on loopback: its URL, and its process (to pause it)."""
     binary = shutil.which("etcd")
     if binary is None:
         if os.environ.get("CI"):
@@ -49,8 +59,9 @@ def etcd(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "etcd did not start"
                 time.sleep(0.1)
-        yield f"etcd://127.0.0.1:{client}/handoff"
+        yield f"etcd://127.0.0.1:{client}/handoff", process
     finally:
+        process.send_signal(signal.SIGCONT)  # (if a test left it paused)
         process.terminate()
         process.wait(15)
 
