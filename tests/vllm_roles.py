@@ -20,11 +20,14 @@ def main(role: str, model_dir: str, settings_file: str) -> None:
     settings = json.loads(Path(settings_file).read_text())
     kv_transfer = None
     if role != "plain":
+        extra = dict(settings["extra"])
+        if extra.pop("corrupt-pulled-kv", False):  # a test's switch, never one of the connector's settings
+            corrupt_pulled_keys()
         kv_transfer = {
             "kv_connector": "HandoffConnector",
             "kv_connector_module_path": "handoff_client.vllm",
             "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
-            "kv_connector_extra_config": settings["extra"],
+            "kv_connector_extra_config": extra,
             "kv_load_failure_policy": "recompute",
         }
     started = time.perf_counter()
@@ -59,6 +62,25 @@ def main(role: str, model_dir: str, settings_file: str) -> None:
     print(json.dumps(report))
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's slow teardown
+
+
+def corrupt_pulled_keys() -> None:
+    """The negative control of test_vllm.py: the connector writes every pulled key with its rows reversed, so a
+    decode that really reads the pulled KV gives other tokens. Installed in this process, where vLLM's worker runs
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0 and the uni executor), by wrapping the worker half's one write of a layer."""
+    from handoff_client.vllm._worker import WorkerHalf
+
+    write = WorkerHalf._write_layer
+
+    def write_reversed_keys(self, load, layer_name: str, arrived: dict) -> None:
+        key_name, _ = self.tensors[layer_name]
+        if key_name in arrived:
+            keys = arrived[key_name].copy()
+            keys[load.first : load.rows] = keys[load.first : load.rows][::-1]
+            arrived = {**arrived, key_name: keys}
+        write(self, load, layer_name, arrived)
+
+    WorkerHalf._write_layer = write_reversed_keys
 
 
 def blocks_held_after_release(llm) -> int:

@@ -10,7 +10,6 @@ Keys are the command line's flag names where they overlap (`handoff-broker statu
     token-file   a file holding the bearer token
     timeout      seconds a push or a pull may take, end to end                 default 30
     ttl          seconds a pushed hand-off waits for its decoder (0: the broker's --ttl)
-    corrupt-pulled-kv   test only: flip the pulled keys before writing them (proves the tokens used the pulled KV)
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ DEFAULT_TIMEOUT = 30.0
 CACHE_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 """vLLM's cache dtypes the connector carries, by the torch dtype "auto" resolves to."""
 
-KNOWN_KEYS = {"target", "model", "tls-ca", "tls-cert", "tls-key", "token-file", "timeout", "ttl", "corrupt-pulled-kv"}
+KNOWN_KEYS = {"target", "model", "tls-ca", "tls-cert", "tls-key", "token-file", "timeout", "ttl"}
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,6 @@ class ConnectorSettings:
     token_file: str | None = None
     timeout: float = DEFAULT_TIMEOUT
     ttl: float = 0.0
-    corrupt_pulled_kv: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -61,11 +59,11 @@ class ConnectorSettings:
             token_file=extra.get("token-file"),
             timeout=float(extra.get("timeout", DEFAULT_TIMEOUT)),
             ttl=float(extra.get("ttl", 0.0)),
-            corrupt_pulled_kv=bool(extra.get("corrupt-pulled-kv", False)),
         )
 
     def client_options(self) -> dict[str, Any]:
         """HandoffClient's keyword arguments for these settings."""
+
         def read(path: str | None) -> bytes | None:
             return Path(path).read_bytes() if path else None
 

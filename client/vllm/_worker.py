@@ -236,8 +236,6 @@ class WorkerHalf:
         if key_name in arrived and value_name in arrived:
             keys = from_numpy(arrived[key_name][load.first : load.rows])
             values = from_numpy(arrived[value_name][load.first : load.rows])
-            if self.settings.corrupt_pulled_kv:
-                keys = keys.flip(0)
             pages = self.pages[layer_name]
             self.layouts[layer_name].scatter(pages, list(load.block_ids), load.first, keys.to(pages.device),
                                              values.to(pages.device))  # fmt: skip
