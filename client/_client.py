@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import grpc
 import numpy as np
@@ -94,7 +94,7 @@ class HandoffClient:
     FleetClient instead (_fleet.py), with the same methods: worker code does not change between one broker and fifty.
     """
 
-    def __new__(cls, target: str, **options: object) -> HandoffClient:
+    def __new__(cls, target: str, **options: object) -> HandoffClient:  # noqa: PYI034 - a FleetClient for a fleet
         if cls is HandoffClient and is_fleet(target):
             return FleetClient(target, **options)  # type: ignore[return-value]
         return super().__new__(cls)
@@ -176,7 +176,7 @@ class HandoffClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> HandoffClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -99,7 +99,14 @@ def run_demo(args: argparse.Namespace) -> int:
     """The whole demo; 0 when every tensor arrived identical."""
     from .app import BrokerConfig, build_server  # (the server extra: only when the demo runs its broker)
 
-    broker, port = build_server(BrokerConfig(host="127.0.0.1", port=0))
+    config = BrokerConfig(host="127.0.0.1", port=0)
+    contract = config.contracts.get(args.model)
+    if contract is None or args.position >= contract.ctx:  # (refused here, not after a decoder waited its timeout)
+        why = f"--position {args.position}: {args.model} holds positions 0..{contract.ctx - 1}" if contract else (
+            f"--model {args.model}: the demo serves {', '.join(config.contracts)}")  # fmt: skip
+        print(f"handoff-broker demo: {why}", file=sys.stderr)
+        return 2
+    broker, port = build_server(config)
     with broker:
         target = f"127.0.0.1:{port}"
         print(f"broker on {target}, serving {', '.join(broker.config.contracts)}")

