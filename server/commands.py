@@ -221,6 +221,8 @@ def check_contracts(args: argparse.Namespace) -> int:
             f"{contract.nbytes} bytes per hand-off at the full ctx, {_short_prompt_bytes(contract)}, "
             f"fingerprint {contract.fingerprint}"
         )
+        if not contract.rewindable:  # docs/contracts.md, the last-token rule
+            print("  not rewindable: its producer pushes the state after N - 1 of a prompt's N tokens (position N - 1)")
         for c in contract.carried:
             split = f"  {c.heads} heads x {c.head_dim}" if c.heads else ""
             rows = "  rows are positions" if c.rows_are_positions else ""

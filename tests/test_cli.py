@@ -191,6 +191,17 @@ def test_check_contracts_shows_how_a_tensor_splits_by_head(tmp_path):
     result = run("check-contracts", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert "layers.0.self_attn.k_cache" in result.stdout and "bytes  4 heads x 128" in result.stdout
+    assert "not rewindable" not in result.stdout  # every tensor's rows are positions, over the whole cache
+
+
+def test_check_contracts_says_which_contracts_are_produced_one_token_short(tmp_path):
+    made = run("contract-from-config", str(CONFIGS / "qwen3-next-80b-a3b.json"), "--ctx", "16", "-o",
+               str(tmp_path / "next.json"))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    result = run("check-contracts", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "not rewindable: its producer pushes the state after N - 1 of a prompt's N tokens" in result.stdout
+    assert "layers.0.linear_attn.memory" in result.stdout and "bytes  32 heads x 128" in result.stdout
 
 
 def test_the_client_needs_none_of_the_brokers_own_dependencies(broker):
