@@ -23,10 +23,11 @@ DEFAULT_MODEL = "demo-hybrid"
 def default_contracts() -> dict[str, Contract]:
     """The embedded demo: a small hybrid model whose hand-off has every kind of carried tensor.
 
-    Layers 0 and 2 are gated-delta (linear-attention) layers: a conv ring of the last kernel - 1 = 3 inputs over
-    768 channels (q, k and v of 4 heads of 64), touched first, then the recurrent memory, 4 heads x 64 key dims by
-    64 value dims, kept in float32 as engines keep it. Layers 1 and 3 are attention layers: a key then a value cache
-    of ctx = 4096 rows by 2 KV heads x 64, bfloat16.
+    Layers 0 and 2 are gated-delta (linear-attention) layers, as `contract-from-config` derives a Qwen3-Next of that
+    size: the conv ring of the last kernel - 1 = 3 inputs, touched first, as conv_q, conv_k and conv_v (4 heads of 64
+    channels each), then the recurrent memory (64 key dims by 4 value heads x 64 value dims, float32 as engines keep
+    it), all split by head. Layers 1 and 3 are attention layers: a key then a value cache of ctx = 4096 rows by 2 KV
+    heads x 64, bfloat16. Not rewindable: a real producer would push one token short (docs/contracts.md).
     """
     text = resources.files(__package__).joinpath("manifests", f"{DEFAULT_MODEL}.json").read_text()
 
