@@ -158,3 +158,19 @@ def test_every_file_and_page_the_readme_names_exists_and_every_page_is_indexed()
             if word.startswith("deploy/") or word == ".":
                 assert (ROOT / word).exists(), word
     assert (ROOT / "docker-compose.yml").exists() and "Apache License" in (ROOT / "LICENSE").read_text()
+
+
+def test_every_handoff_broker_command_in_the_docs_parses():
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        for block in re.findall(r"^```bash\n(.*?)^```$", text, re.MULTILINE | re.DOTALL):
+            for words in _statements(block.replace("\\\n", " ")):
+                if words[0] == "handoff-broker":
+                    build_parser().parse_args(words[1:])  # SystemExit, naming the flag, when it does not
+
+
+def test_the_readmes_vllm_table_is_a_short_form_of_the_matrix_in_docs_vllm():
+    readme = README.split("## vLLM\n", 1)[1].split("\n## ", 1)[0]
+    matrix = (ROOT / "docs" / "vllm.md").read_text().split("## What is supported", 1)[1].split("\n## ", 1)[0]
+    backends = lambda table: set(re.findall(r"\b[A-Z]+_[A-Z_]*ATTN\b|\bCPU_MLA\b", table))
+    assert backends(readme) and backends(readme) <= backends(matrix)
