@@ -1,5 +1,5 @@
 """Test vectors for an implementer in another language: the hand-off digest and the contract fingerprint, exactly as
-the .proto and the README define them, each built here byte by byte and checked against the library and a fixed
+the .proto and docs/protocol.md define them, each built here byte by byte and checked against the library and a fixed
 hex value (copy these into your own tests)."""
 
 from __future__ import annotations
