@@ -20,9 +20,13 @@ thread by silence, before its header or after.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Self, TypeVar
 
 from handoff_client._errors import BrokerBusy
+
+T = TypeVar("T")
 
 
 class Budget:
@@ -75,11 +79,76 @@ class Slot:
         if budget is not None:
             budget._give_back()
 
-    def __enter__(self) -> Slot:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.give_back()
+
+
+class HeldWhileRunning(Iterator[T]):
+    """A server-streaming handler's responses, holding its stream `slot` (and whatever `on_release` adds) for as long
+    as the call may hold a worker thread: given back exactly once, when the call has ended (`call_ended`, its
+    done-callback) and no thread is inside the handler, or when the handler returns, whichever comes first.
+
+    grpcio abandons a handler's generator mid-stream when its client goes, suspended at a `yield` and closed only
+    when collected, so a slot given back only by the handler's own `finally` could stay taken for ever; but a slot
+    given back at the call's end while a thread still runs the handler (asleep on its lane's opening, say) would
+    let admission hand out a worker thread that is not free. Neither: the slot stands for the thread."""
+
+    def __init__(self, slot: Slot, responses: Iterator[T]) -> None:
+        self._slot = slot
+        self._responses = responses
+        self._lock = threading.Lock()
+        self._inside = False  # a thread is running the handler now
+        self._ended = False  # the call has ended
+        self._released: list[Callable[[], None]] = [slot.give_back]
+
+    def on_release(self, release: Callable[[], None]) -> None:
+        """Run `release` too when the slot is given back (at once, if it already was)."""
+        with self._lock:
+            if self._released:
+                self._released.append(release)
+                return
+        release()
+
+    def call_ended(self) -> None:
+        """The call's done-callback: from now on, the slot goes back as soon as no thread is inside the handler."""
+        with self._lock:
+            self._ended = True
+            inside = self._inside
+        if not inside:
+            self._release()
+
+    def __next__(self) -> T:
+        with self._lock:
+            self._inside = True
+        try:
+            return next(self._responses)
+        except BaseException:  # returned or raised: the handler holds nothing more
+            self._release()
+            raise
+        finally:
+            with self._lock:
+                self._inside = False
+                ended = self._ended
+            if ended:
+                self._release()
+
+    def close(self) -> None:
+        """Close the handler (grpcio collecting an abandoned stream; `yield from` passes the close on)."""
+        try:
+            close = getattr(self._responses, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            released, self._released = self._released, []
+        for release in released:
+            release()
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ class LaneCall:
         deadline = time.monotonic() + timeout
         first = self._expected[0].wait(timeout)
         if first is None:
+            if self._expected[0].closed:  # the call ended (cancelled, past its deadline, its client gone) meanwhile
+                raise LaneBroken(self.model, "the call ended before its lane opened")
             raise LaneBroken(self.model, f"no lane connection presented the call's capability within {timeout:.0f} s")
         if first.family == socket.AF_UNIX:
             for rest in self._expected[1:]:
@@ -71,6 +73,8 @@ class LaneCall:
         socks = [first]
         for waiting in self._expected[1:]:
             sock = waiting.wait(max(0.0, deadline - time.monotonic()))
+            if sock is None and waiting.closed:
+                raise LaneBroken(self.model, "the call ended before its lane opened")
             if sock is None:
                 raise LaneBroken(self.model, f"{len(socks)} of the lane's {len(self._expected)} connections came "
                                  f"within {timeout:.0f} s")  # fmt: skip

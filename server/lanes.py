@@ -50,8 +50,9 @@ class Expected:
     closed: bool = False
 
     def wait(self, timeout: float) -> socket.socket | None:
-        """The lane's connection, once it has presented the capability; None if none came within `timeout` s. The
-        caller sends READY when its call is ready for the bytes (a push: once admitted, with room reserved)."""
+        """The lane's connection, once it has presented the capability; None if none came within `timeout` s, or
+        at once when the call is done with its lane (`LaneListener.forget`: the call ended), the wait then holding
+        nothing. The caller sends READY when its call is ready for the bytes (a push: once admitted, room reserved)."""
         if not self.arrived.wait(timeout):
             return None
         return self.sock
@@ -196,6 +197,7 @@ class LaneListener:
             self._forget_sealed_opening(waiting)
             waiting.closed = True
             sock, waiting.sock = waiting.sock, None
+        waiting.arrived.set()  # a handler waiting for the lane is let go now, with nothing (its call has ended)
         self._wake()  # an opening that presented it is closed at once
         if sock is not None:
             _close(sock)

@@ -26,7 +26,7 @@ from handoff_client._frames import ChunkFrame
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import Malformed, contract_to_proto, shard_from_proto
 
-from .admission import Admission
+from .admission import Admission, HeldWhileRunning
 from .auth import authorize_model, may_see
 from .lane_calls import (
     LaneCall,
@@ -223,18 +223,26 @@ class HandoffBrokerServicer:
     @mapped_stream
     def PullHandoff(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         authorize_model(request.model)
-        slot = self.admission.streams.take(request.model)
-        # Given back when the call ends, however: a generator grpcio abandons mid-send is closed only when collected.
-        if not context.add_callback(slot.give_back):
-            slot.give_back()
-            return
         progress = _Progress()
+        # The stream slot is held while the call may hold a thread: given back once the call has ended and no thread
+        # runs its handler (a generator grpcio abandons mid-send is closed only when collected), never before.
+        held = HeldWhileRunning(
+            self.admission.streams.take(request.model), self._pull_stream(request, context, progress)
+        )
+        progress.held = held
+        if not context.add_callback(held.call_ended):  # the caller is already gone
+            held.close()
+            return iter(())
+        return held
+
+    def _pull_stream(
+        self, request: pb.PullRequest, context: grpc.ServicerContext, progress: _Progress
+    ) -> Iterator[bytes]:
         try:
             if self.lanes is not None and request.lane_capability:  # checked now; registered if a lane is offered
                 check_lane_request(self.lanes, request.lane_capability, request.lane_connections, request.model)
             yield from self._pull(request, context, progress)
         finally:
-            slot.give_back()
             if progress.lane is not None:
                 progress.lane.close()
 
@@ -277,10 +285,11 @@ class HandoffBrokerServicer:
         started = time.monotonic()
         model = self._model_label(claim.model)
         self.metrics.streams.labels("pull").inc()
+        if progress.held is not None:  # in flight while its thread is, as its stream slot
+            progress.held.on_release(self.metrics.streams.labels("pull").dec)
 
         def ended() -> None:  # however the call ends: a stream broken before its end returns the claim at once
             self.store.release(claim, progress.sent_all)
-            self.metrics.streams.labels("pull").dec()
             self.metrics.pulls.labels(model, "delivered" if progress.sent_all else "broken").inc()
 
         if not context.add_callback(ended):  # the caller is already gone: the claim goes back at once
@@ -374,12 +383,13 @@ class HandoffBrokerServicer:
 class _Progress:
     """A pull's stream as its handler and its interrupt see it."""
 
-    __slots__ = ("ending", "lane", "sent_all")
+    __slots__ = ("ending", "held", "lane", "sent_all")
 
     def __init__(self) -> None:
         self.ending = False  # the stream's end is being sent
         self.sent_all = False  # ... and was
         self.lane: LaneCall | None = None  # its lane, once the header offers one (a large enough hand-off)
+        self.held: HeldWhileRunning[bytes] | None = None  # its stream slot, held while a thread runs the call
 
 
 def _pull_header(claim: Claim, shard: pb.Shard, lane: pb.Lane | None) -> bytes:
