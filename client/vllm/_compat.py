@@ -17,7 +17,8 @@ TESTED_SERIES = (0, 32)
 VLLM_HOOKS = (
     "on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
     "request_finished", "get_loaded_kv_cache_group_ids", "register_kv_caches", "start_load_kv",
-    "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
+    "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished", "get_transfer_results",
+    "get_block_ids_with_load_errors",
     "get_kv_connector_stats", "build_kv_connector_stats", "build_prom_metrics", "shutdown",
 )  # fmt: skip
 """The methods of vLLM's `KVConnectorBase_V1` that HandoffConnector overrides: each must exist on the base, or vLLM
