@@ -48,6 +48,7 @@ def make_channel(
     """A channel to `target`: TLS when given a CA or a client certificate (PEM bytes; mutual TLS with both), or
     `credentials` of any other kind; plaintext otherwise. `tls_server_name` overrides the name checked against the
     broker's certificate."""
+    target = with_default_port(target)
     if tls_server_name:
         options += (("grpc.ssl_target_name_override", tls_server_name),)
     if credentials is None and (tls_root_certificates or tls_certificate_chain):
@@ -57,19 +58,6 @@ def make_channel(
     return grpc.secure_channel(target, credentials, options=options)
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How the client retries what is safe to retry: exponential backoff with jitter, a bounded number of attempts,
-    target = with_default_port(target)
-    and never past the call's own timeout.
-
-    Safe: a push that met UNAVAILABLE (the broker drops a broken push at once, and a repeat of a committed one is
-    recognised byte for byte and changes nothing); a pull whose stream broke or whose push was aborted (the claim
-    goes back to the pool); a confirm (idempotent for its claim); a call refused as BROKER_BUSY (it took nothing).
-    Never retried: anything else the broker refused.
-    """
-
-    attempts: int = 4
 def with_default_port(target: str) -> str:
     """`target` with DEFAULT_PORT added where it names a host and no port: `127.0.0.1`, `broker`, `[::1]`,
     `dns:///brokers`. Other schemes (`unix:`, `ipv4:`, ...) and targets with a port are left as they are."""
@@ -84,6 +72,18 @@ def with_default_port(target: str) -> str:
     return target if has_port or not host else f"{target}:{DEFAULT_PORT}"
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the client retries what is safe to retry: exponential backoff with jitter, a bounded number of attempts,
+    and never past the call's own timeout.
+
+    Safe: a push that met UNAVAILABLE (the broker drops a broken push at once, and a repeat of a committed one is
+    recognised byte for byte and changes nothing); a pull whose stream broke or whose push was aborted (the claim
+    goes back to the pool); a confirm (idempotent for its claim); a call refused as BROKER_BUSY (it took nothing).
+    Never retried: anything else the broker refused.
+    """
+
+    attempts: int = 4
     initial_backoff: float = 0.05
     max_backoff: float = 1.0
     multiplier: float = 2.0
