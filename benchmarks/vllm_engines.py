@@ -70,17 +70,22 @@ def engine(role: str, model_dir: str, settings_file: str) -> None:
     warm = [TokensPrompt(prompt_token_ids=[(7 * i) % 500 + 1 for i in range(64)])]
     llm.generate(warm, SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
     seconds, cached = [], []
+    producer = connector == "handoff" and kv_role == "kv_producer"
     for prompt, transfer_params in zip(settings["prompts"], settings["params"]):
+        if producer:  # as a router does: ask for the hand-off (a producer pushes only the requests that ask)
+            transfer_params = {"do_remote_decode": True}
         extra = {"kv_transfer_params": transfer_params} if transfer_params else None
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False, extra_args=extra)
         started = time.perf_counter()
         output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
         seconds.append(time.perf_counter() - started)
         cached.append(output.num_cached_tokens)
-        if connector == "handoff" and kv_role == "kv_producer":
+        if producer:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            settings["params"][len(seconds) - 1] = output.kv_transfer_params
+            # less remote_prefill_cached_tokens, which the decoder would report as its cached tokens
+            handed = {k: v for k, v in output.kv_transfer_params.items() if k != "remote_prefill_cached_tokens"}
+            settings["params"][len(seconds) - 1] = handed
             assert get_kv_transfer_group().flush(120)  # one request at a time: its push ends before the next
     print(json.dumps({"seconds": seconds, "cached": cached, "params": settings["params"]}), flush=True)
     os._exit(0)  # skip vLLM's slow teardown

@@ -112,13 +112,36 @@ def baseline(model_dir, tmp_path_factory, vllm_broker):
 
 @pytest.fixture(scope="module")
 def pushed(model_dir, tmp_path_factory, vllm_broker):
-    """One prefill instance (block 128) pushing every prompt three times over: one set for each decode test."""
+    """One prefill instance (block 128) handing off every prompt three times over (one set for each decode test), as
+    a router asks (`do_remote_decode`), beside the same prompts sent plain and a 1-token prompt asked for."""
     received_before = _received(vllm_broker)
+    asked = {"do_remote_decode": True, "do_remote_prefill": False}
+    prompts = PROMPTS * 3 + PROMPTS + [[5]]
+    params = [asked] * (3 * len(PROMPTS)) + [None] * len(PROMPTS) + [asked]
     report = run_vllm("producer", model_dir, tmp_path_factory.mktemp("producer"), block=128,
-                      target=vllm_broker.address, prompts=PROMPTS * 3)  # fmt: skip
+                      target=vllm_broker.address, prompts=prompts, params=params)  # fmt: skip
     report["received"] = _received(vllm_broker) - received_before
     assert report["blocks_held"] == 0  # every request's pages released once copied out
     return report
+
+
+def test_a_prefill_instance_hands_off_only_the_requests_that_ask_and_a_1_token_prompt_not_at_all(pushed):
+    """The router contract: a request without `do_remote_decode` runs untouched and nothing of it is pushed (its
+    response carries no kv_transfer_params); a 1-token prompt has nothing to hand over. The bytes the broker took in
+    are the asked prompts' filled rows and nothing else."""
+    params = pushed["kv_transfer_params"]
+    assert pushed["received"] == 3 * sum(len(p) for p in PROMPTS) * BYTES_PER_TOKEN
+    assert params[3 * len(PROMPTS) :] == [None] * (len(PROMPTS) + 1)
+    for p, prompt in zip(params[: len(PROMPTS)], PROMPTS):
+        assert p["do_remote_prefill"] is True and p["do_remote_decode"] is False
+        assert p["position"] == len(prompt) and p["model"] == MODEL
+        assert p["handoff_id"].endswith("-" + p["prompt_digest"])
+
+
+def strip_cached(params: dict) -> dict:
+    """The params without `remote_prefill_cached_tokens`, which vLLM adds to a producer's and then reports as the
+    decode instance's cached tokens instead of its own: so `cached` says how many tokens the decoder loaded."""
+    return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
 
 
 def _received(broker) -> float:
@@ -128,9 +151,10 @@ def _received(broker) -> float:
 def test_a_decode_instance_with_block_32_continues_a_prefill_of_block_128_token_for_token(
     model_dir, tmp_path, vllm_broker, baseline, pushed
 ):
-    params = pushed["kv_transfer_params"][: len(PROMPTS)]
-    assert [p["position"] for p in params] == [len(p) for p in PROMPTS]
-    assert pushed["received"] == 3 * sum(len(p) for p in PROMPTS) * BYTES_PER_TOKEN  # the filled rows, not the ctx
+    params = [strip_cached(p) for p in pushed["kv_transfer_params"][: len(PROMPTS)]]
+    # Today's fields alone (no do_remote_prefill, no prompt digest) are still taken: every other prompt gets them.
+    legacy = ("handoff_id", "position", "model", "ticket")
+    params = [{k: p[k] for k in legacy} if i % 2 else p for i, p in enumerate(params)]
     decoded = run_vllm("consumer", model_dir, tmp_path, block=32, target=vllm_broker.address, params=params)
     assert decoded["tokens"] == baseline["tokens"]
     assert decoded["cached"] == [len(p) for p in PROMPTS]  # every prompt token's KV came through the broker
@@ -148,7 +172,7 @@ def test_the_decode_instance_really_uses_the_pulled_kv(model_dir, tmp_path, vllm
 def test_a_cancelled_hand_off_is_recomputed_and_the_tokens_still_match(
     model_dir, tmp_path, vllm_broker, baseline, pushed
 ):
-    params = pushed["kv_transfer_params"][2 * len(PROMPTS) :]
+    params = pushed["kv_transfer_params"][2 * len(PROMPTS) : 3 * len(PROMPTS)]
     with HandoffClient(vllm_broker.address) as client:
         assert all(client.cancel(MODEL, p["handoff_id"]) for p in params)
     decoded = run_vllm("consumer", model_dir, tmp_path, block=32, target=vllm_broker.address, params=params)
@@ -264,6 +288,18 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
         return json.loads(response.read())
 
 
+def _post_stream(url: str, body: dict, timeout: float = 120) -> list[int]:
+    """The token ids of a streamed completion, gathered from its server-sent events."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    tokens: list[int] = []
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for line in response:
+            data = line.decode().strip().removeprefix("data: ")
+            if data and data != "[DONE]":
+                tokens += json.loads(data)["choices"][0].get("token_ids") or []
+    return tokens
+
+
 def _wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -327,6 +363,27 @@ def test_a_completion_through_vllm_serve_prefill_broker_and_decode_equals_one_vl
         assert _metric(url["decode"], "vllm:handoff_pulled_bytes_total", filled) == filled
         assert _metric(url["decode"], "vllm:handoff_pull_seconds_count", 1) == 1
         assert _metric(url["decode"], "vllm:handoff_failed_pulls_total", 0) == 0
+        # Streamed through the proxy: the same tokens, event by event; and /v1/models passed through.
+        streamed = _post_stream(f"{url['proxy']}/v1/completions", {**request, "stream": True})
+        assert streamed == single["choices"][0]["token_ids"]
+        with urllib.request.urlopen(f"{url['proxy']}/v1/models", timeout=10) as response:
+            assert [m["id"] for m in json.loads(response.read())["data"]] == [MODEL]
+        # A router that swaps two requests' params: neither decoder loads the other's KV (each refusal logged and
+        # counted), both compute their prompts themselves, and both give the plain instance's tokens.
+        pair = [PROMPTS[2], PROMPTS[2][::-1]]  # of one length: only their digests tell them apart
+        asked = {"do_remote_decode": True, "do_remote_prefill": False}
+        params = [_post(f"{url['prefill']}/v1/completions", {**request, "prompt": p, "max_tokens": 1,
+                                                              "kv_transfer_params": asked})["kv_transfer_params"]
+                  for p in pair]  # fmt: skip
+        swapped = [_post(f"{url['decode']}/v1/completions", {**request, "prompt": p, "kv_transfer_params": params[1 - i]})
+                   for i, p in enumerate(pair)]  # fmt: skip
+        plain = [_post(f"{url['plain']}/v1/completions", {**request, "prompt": p}) for p in pair]
+        assert [r["choices"][0]["token_ids"] for r in swapped] == [r["choices"][0]["token_ids"] for r in plain]
+        assert _metric(url["decode"], "vllm:handoff_refused_loads_total", 2) == 2
+        assert _metric(url["decode"], "vllm:handoff_pull_seconds_count", 2) == 2  # the streamed request's, no more
+        assert Path(started[1][1].name).read_text().count("prompt digest mismatch") == 2, "two refusals logged"
+        with HandoffClient(vllm_broker.address) as client:  # the refused hand-offs would wait out their TTL
+            assert all(client.cancel(MODEL, p["handoff_id"]) for p in params)
     finally:
         proxy.terminate()
         proxy.wait(timeout=10)

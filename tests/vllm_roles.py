@@ -1,6 +1,17 @@
-"""A vLLM instance in a process of its own, for tests/test_vllm.py: `python tests/vllm_roles.py ROLE MODEL_DIR
+"""A vLLM instance in a process of its own, for the vLLM tests: `python tests/vllm_roles.py ROLE MODEL_DIR
 SETTINGS.json` runs the prompts in the settings file through an offline LLM and prints one JSON line: each prompt's
-output tokens, cached tokens and kv_transfer_params. ROLE: plain (no connector), producer or consumer."""
+output tokens, cached tokens and kv_transfer_params. ROLE: plain (no connector), producer, consumer or both
+(kv_both). A producer asks for every prompt's hand-off (`"do_remote_decode": true`, as a router does) unless the
+settings give each prompt's kv_transfer_params (null: a plain request).
+
+With `"session": true` in the settings it prints `{"ready": ...}` once started and then takes one JSON command a
+line on stdin, answering each with one JSON line, so that a test can drive several engines in turn without paying
+their start-up again: {"op": "generate", "prompts": [...], "params": [...], "max_tokens": n} (params: each prompt's
+kv_transfer_params or null), {"op": "release"} (steps until no finished request holds pages: {"blocks_held": n}),
+{"op": "exit"}. Settings: prompts, block_size, max_tokens, kv_transfer_params, kv_cache_bytes, extra (the
+connector's kv_connector_extra_config), and optionally dtype (bfloat16), tp (1: over vLLM's `mp` executor when
+more), max_model_len (1024).
+"""
 
 from __future__ import annotations
 
@@ -12,12 +23,12 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+ROLES = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}
 
-def main(role: str, model_dir: str, settings_file: str) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    settings = json.loads(Path(settings_file).read_text())
+def start(role: str, model_dir: str, settings: dict):
+    from vllm import LLM
+
     kv_transfer = None
     if role != "plain":
         extra = dict(settings["extra"])
@@ -26,42 +37,18 @@ def main(role: str, model_dir: str, settings_file: str) -> None:
         kv_transfer = {
             "kv_connector": "HandoffConnector",
             "kv_connector_module_path": "handoff_client.vllm",
-            "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
+            "kv_role": ROLES[role],
             "kv_connector_extra_config": extra,
             "kv_load_failure_policy": "recompute",
         }
-    started = time.perf_counter()
-    llm = LLM(
-        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="uni",
+    tp = settings.get("tp", 1)
+    return LLM(
+        model=model_dir, skip_tokenizer_init=True, enforce_eager=True,
+        distributed_executor_backend="uni" if tp == 1 else "mp", tensor_parallel_size=tp,
         num_gpu_blocks_override=64, block_size=settings["block_size"], max_model_len=settings.get("max_model_len", 1024),
-        dtype="bfloat16", kv_cache_memory_bytes=settings["kv_cache_bytes"], kv_transfer_config=kv_transfer,
-        enable_prefix_caching=False,
+        dtype=settings.get("dtype", "bfloat16"), kv_cache_memory_bytes=settings["kv_cache_bytes"],
+        kv_transfer_config=kv_transfer, enable_prefix_caching=False,
     )  # fmt: skip
-    ready = time.perf_counter()
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in settings["prompts"]]
-    params = []
-    for transfer in settings.get("kv_transfer_params") or [None] * len(prompts):
-        extra = {"kv_transfer_params": transfer} if transfer else None
-        tokens = 1 if role == "producer" else settings["max_tokens"]
-        params.append(SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, detokenize=False,
-                                     extra_args=extra))  # fmt: skip
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    done = time.perf_counter()
-    report = {
-        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-        "cached": [o.num_cached_tokens for o in outputs],
-        "kv_transfer_params": [o.kv_transfer_params for o in outputs],
-        "start_seconds": ready - started,
-        "generate_seconds": done - ready,
-    }
-    if role == "producer":
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        assert get_kv_transfer_group().flush(60), "pushes still under way after 60 s"
-        report["blocks_held"] = blocks_held_after_release(llm)
-    print(json.dumps(report))
-    sys.stdout.flush()
-    os._exit(0)  # skip vLLM's slow teardown
 
 
 def corrupt_pulled_keys() -> None:
@@ -81,6 +68,64 @@ def corrupt_pulled_keys() -> None:
         write(self, load, layer_name, arrived)
 
     WorkerHalf._write_layer = write_reversed_keys
+
+
+def generate(llm, prompts: list[list[int]], transfers: list[dict | None], max_tokens: int) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = []
+    for transfer in transfers:
+        extra = {"kv_transfer_params": dict(transfer)} if transfer else None
+        params.append(SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False,
+                                     extra_args=extra))  # fmt: skip
+    started = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "cached": [o.num_cached_tokens for o in outputs],
+        "kv_transfer_params": [o.kv_transfer_params for o in outputs],
+        "generate_seconds": time.perf_counter() - started,
+    }
+
+
+def main(role: str, model_dir: str, settings_file: str) -> None:
+    settings = json.loads(Path(settings_file).read_text())
+    started = time.perf_counter()
+    llm = start(role, model_dir, settings)
+    start_seconds = time.perf_counter() - started
+    if settings.get("session"):
+        return session(llm, start_seconds)
+    prompts = settings["prompts"]
+    transfers = settings.get("kv_transfer_params")
+    if transfers is None:
+        transfers = [{"do_remote_decode": True} if role == "producer" else None for _ in prompts]
+    report = generate(llm, prompts, transfers, 1 if role == "producer" else settings["max_tokens"])
+    report["start_seconds"] = start_seconds
+    if role == "producer":
+        if settings.get("tp", 1) == 1:  # the worker's connector lives in this process only with the uni executor
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            assert get_kv_transfer_group().flush(60), "pushes still under way after 60 s"
+        report["blocks_held"] = blocks_held_after_release(llm)
+    print(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's slow teardown
+
+
+def session(llm, start_seconds: float) -> None:
+    print(json.dumps({"ready": True, "start_seconds": start_seconds}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "generate":
+            transfers = command.get("params") or [None] * len(command["prompts"])
+            answer = generate(llm, command["prompts"], transfers, command["max_tokens"])
+        elif command["op"] == "release":
+            answer = {"blocks_held": blocks_held_after_release(llm)}
+        else:
+            break
+        print(json.dumps(answer), flush=True)
+    os._exit(0)
 
 
 def blocks_held_after_release(llm) -> int:

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
 
 from ._compat import check_vllm
 from ._scheduler import HandoffConnectorMetadata, SchedulerHalf
@@ -33,6 +37,9 @@ class HandoffConnector(KVConnectorBase_V1):
             self.worker = WorkerHalf(self.settings, self.contract, vllm_config)
 
     # -- scheduler side -----------------------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -70,11 +77,13 @@ class HandoffConnector(KVConnectorBase_V1):
         released, received = self.worker.get_finished(finished_req_ids)
         return released or None, received or None
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors()
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished pushes and loads, and the loads that failed: vLLM recomputes those requests' prompts."""
+        released, received = self.worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(released, received, self.worker.take_failed(received))
 
     def get_kv_connector_stats(self) -> HandoffConnectorStats | None:
-        return self.worker.take_stats() if self.worker is not None else None
+        return self.worker.take_stats() if self.worker is not None else self.scheduler.take_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HandoffConnectorStats:

@@ -1,27 +1,53 @@
 """The connector's scheduler half: it only decides and builds metadata; the worker half moves the bytes.
 
-Producer (`kv_producer`, `kv_both`): every request whose prompt is fully computed in a step gets a save entry (its
-blocks and prompt length) in that step's metadata; after the step the worker copies the prompt's rows out of the
-pages and pushes them in the background. `request_finished` holds a saved request's pages (returns True) until the
-worker reports the push ended, and hands the router `kv_transfer_params` = {handoff_id, position, model, ticket}.
-Each step's metadata also names the requests vLLM preempted in it, whose pages it freed: the worker lets no copy
-still read them once the next forward pass may write them.
+The router contract is vLLM's P/D convention, the one NIXL-style routers already drive (docs/vllm.md):
 
-Consumer (`kv_consumer`, `kv_both`): a request whose `kv_transfer_params` carry a `handoff_id` has its first
-`position` prompt tokens loaded asynchronously (vLLM then computes only the last prompt token); the load entry names
-the request's freshly allocated blocks, and the worker pulls the hand-off straight into them.
+Producer (`kv_producer`, `kv_both`): only a request whose `kv_transfer_params` carry `"do_remote_decode": true` is
+handed off; every other request runs untouched and nothing of it is pushed. Once such a request's prompt is fully
+computed in a step, its save entry (blocks, prompt length) goes into that step's metadata; after the step the
+worker copies the prompt's rows out of the pages and pushes them in the background. `request_finished` holds a
+saved request's pages (returns True) until the worker reports the push ended, and hands the router
+`kv_transfer_params` = {do_remote_prefill: true, do_remote_decode: false, handoff_id, position, model, ticket,
+prompt_digest}. A 1-token prompt has nothing to hand over (the decoder computes its last token itself): nothing is
+pushed. Each step's metadata also names the requests vLLM preempted in it, whose pages it freed: the worker lets no
+copy still read them once the next forward pass may write them.
+
+Consumer (`kv_consumer`, `kv_both`): a request whose `kv_transfer_params` carry a `handoff_id` (and do not set
+`do_remote_prefill` false) has its first `position` prompt tokens loaded asynchronously (vLLM then computes only the
+last prompt token); the load entry names the request's freshly allocated blocks, and the worker pulls the hand-off
+straight into them. The right KV for the right prompt: `prompt_digest` (a digest of the prompt's first `position`
+token ids, also the hand-off id's last part) must equal the digest of the request's own tokens, else nothing is
+loaded and vLLM computes the prompt itself; the refusal is logged with its reason and counted
+(`vllm:handoff_refused_loads`). Params without a digest (today's routers) load as before.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from handoff_client._contract import Contract
 from handoff_client._fleet import make_ticket
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ._settings import ConnectorSettings
+from ._stats import HandoffConnectorStats
+
+logger = logging.getLogger(__name__)
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """The hand-off's record of which prompt it belongs to: BLAKE2b-64 of the token ids as little-endian int64, in
+    hex. Equal token ids give equal digests on every host; any other prompt a different one (but for 2^-64)."""
+    return hashlib.blake2b(np.asarray(token_ids, dtype="<i8").tobytes(), digest_size=8).hexdigest()
+
+
+def _truthy(params: dict[str, Any], key: str) -> bool:
+    return params.get(key) is True or params.get(key) in ("true", "True", 1)
 
 
 @dataclass(frozen=True)
@@ -65,25 +91,75 @@ class SchedulerHalf:
         self.engine_id = engine_id
         self.producer = producer
         self.consumer = consumer
+        self._wanted: dict[str, str] = {}  # producer: request to hand off -> its prompt's digest
         self._blocks: dict[str, list[int]] = {}  # producer: each unsaved request's blocks so far
         self._prompt: dict[str, int] = {}
         self._saved: dict[str, int] = {}  # producer: request -> rows pushed
         self._loads: dict[str, LoadSpec] = {}
         self._loaded: set[str] = set()
+        self._refused: set[str] = set()  # consumer: requests whose hand-off was refused (logged and counted once)
+        self.stats = HandoffConnectorStats()
 
     def handoff_id(self, request_id: str) -> str:
-        """Request ids are the engine's own (an offline run numbers them from 0): the engine id makes them unique."""
-        return f"{self.engine_id}-{request_id}"
+        """Request ids are the engine's own (an offline run numbers them from 0): the engine id makes them unique,
+        and the prompt's digest ends it, so an id names one prompt's KV."""
+        return f"{self.engine_id}-{request_id}-{self._wanted[request_id]}"
+
+    def on_new_request(self, request: Any) -> None:
+        """Producer: remember a request the router asked to hand off (`do_remote_decode`), with its prompt's digest."""
+        params = request.kv_transfer_params or {}
+        if not self.producer or not _truthy(params, "do_remote_decode"):
+            return
+        tokens = request.prompt_token_ids or []
+        if len(tokens) < 2:
+            logger.debug("request %s: a prompt of %d token(s) has nothing to hand over (the decoder computes its "
+                         "last token itself); nothing is pushed", request.request_id, len(tokens))  # fmt: skip
+            return
+        self._wanted[request.request_id] = prompt_digest(tokens)
+
+    def take_stats(self) -> HandoffConnectorStats | None:
+        return self.stats.take()
 
     # -- consumer -----------------------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
-        if not self.consumer or "handoff_id" not in params or request.request_id in self._loaded:
+        if not self.consumer or "handoff_id" not in params or params.get("do_remote_prefill", True) is False:
+            return 0, False
+        if request.request_id in self._loaded or request.request_id in self._refused:
+            return 0, False
+        why = self._refusal(request, params)
+        if why is not None:
+            self._refused.add(request.request_id)
+            self.stats.record_refusal(why)
+            logger.warning("hand-off %s was not loaded into request %s: %s; vLLM computes the prompt itself",
+                           params.get("handoff_id"), request.request_id, why)  # fmt: skip
             return 0, False
         rows = min(int(params["position"]), request.num_prompt_tokens)
         count = rows - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _refusal(self, request: Any, params: dict[str, Any]) -> str | None:
+        """Why the hand-off named in `params` must not be loaded into `request` (None: it may)."""
+        position = params.get("position")
+        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+            return f"kv_transfer_params position {position!r} is not a token count"
+        if position > request.num_prompt_tokens:
+            return (
+                f"the hand-off holds {position} tokens, more than the request's prompt of {request.num_prompt_tokens}"
+            )
+        digest = params.get("prompt_digest")
+        if digest is None:
+            return None  # today's routers' fields: no digest to check
+        own = prompt_digest((request.prompt_token_ids or [])[:position])
+        if digest != own:
+            return (
+                f"prompt digest mismatch: the hand-off is of a prompt with digest {digest}, the request's first "
+                f"{position} tokens have {own} (a router that swapped two requests' params, or a reused id)"
+            )
+        if not str(params["handoff_id"]).endswith(f"-{digest}"):
+            return f"the hand-off id does not end with its prompt digest {digest}"
+        return None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or request.request_id in self._loaded:
@@ -106,6 +182,8 @@ class SchedulerHalf:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id not in self._wanted:
+                continue  # not to be handed off: it runs untouched
             self._blocks[new.req_id] = list(new.block_ids[0])
             self._prompt[new.req_id] = len(new.prompt_token_ids or [])
             self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -132,10 +210,21 @@ class SchedulerHalf:
         self._blocks.pop(request.request_id, None)
         self._prompt.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
+        self._refused.discard(request.request_id)
         rows = self._saved.pop(request.request_id, None)
         if rows is None:
+            self._wanted.pop(request.request_id, None)
             return False, None
         handoff_id = self.handoff_id(request.request_id)
+        digest = self._wanted.pop(request.request_id)
         model = self.contract.model
         ticket = make_ticket(self.settings.target, model, handoff_id, self.contract.fingerprint)
-        return True, {"handoff_id": handoff_id, "position": rows, "model": model, "ticket": ticket}  # pages held
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "handoff_id": handoff_id,
+            "position": rows,
+            "model": model,
+            "ticket": ticket,
+            "prompt_digest": digest,
+        }  # pages held

@@ -10,6 +10,8 @@ from the workers to its logger, where they are summed (`aggregate`), summarised 
     vllm:handoff_pulled_bytes      counter     bytes pulled
     vllm:handoff_failed_pushes     counter     pushes that failed (logged with their reason; nothing waits on them)
     vllm:handoff_failed_pulls      counter     pulls that failed (their blocks recomputed)
+    vllm:handoff_refused_loads     counter     hand-offs the consumer refused to load (logged with the reason: a
+                                               prompt digest that is not the request's, ...); vLLM computed the prompt
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-SERIES = ("push_seconds", "push_bytes", "pull_seconds", "pull_bytes", "failed_pushes", "failed_pulls")
+SERIES = ("push_seconds", "push_bytes", "pull_seconds", "pull_bytes", "failed_pushes", "failed_pulls", "refused_loads")
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -46,6 +48,9 @@ class HandoffConnectorStats(KVConnectorStats):
     def record_failure(self, pushing: bool) -> None:
         self.data["failed_pushes" if pushing else "failed_pulls"].append(1)
 
+    def record_refusal(self, reason: str) -> None:
+        self.data["refused_loads"].append(reason)
+
     def aggregate(self, other: KVConnectorStats) -> HandoffConnectorStats:
         for series in SERIES:
             self.data.setdefault(series, []).extend(other.data.get(series, []))
@@ -61,6 +66,7 @@ class HandoffConnectorStats(KVConnectorStats):
             summary[f"{kind}_ms_avg"] = round(1000 * seconds / count, 3) if count else 0
         summary["failed_pushes"] = len(d["failed_pushes"])
         summary["failed_pulls"] = len(d["failed_pulls"])
+        summary["refused_loads"] = len(d.get("refused_loads", []))
         return summary
 
     def is_empty(self) -> bool:
@@ -98,6 +104,8 @@ class HandoffPromMetrics(KVConnectorPromMetrics):
         self.pulled_bytes = counter("pulled_bytes", "Bytes of KV pulled from handoff-broker.")
         self.failed_pushes = counter("failed_pushes", "Pushes to handoff-broker that failed.")
         self.failed_pulls = counter("failed_pulls", "Pulls from handoff-broker that failed (their blocks recomputed).")
+        self.refused_loads = counter("refused_loads", "Hand-offs refused for the request they were passed with "
+                                     "(a prompt digest that is not the request's); the prompt was computed.")  # fmt: skip
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data
@@ -109,3 +117,4 @@ class HandoffPromMetrics(KVConnectorPromMetrics):
         self.pulled_bytes[engine_idx].inc(sum(d.get("pull_bytes", [])))
         self.failed_pushes[engine_idx].inc(len(d.get("failed_pushes", [])))
         self.failed_pulls[engine_idx].inc(len(d.get("failed_pulls", [])))
+        self.refused_loads[engine_idx].inc(len(d.get("refused_loads", [])))

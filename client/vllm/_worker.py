@@ -13,11 +13,18 @@ request's pages, sees the push's stats at once. A preempted request's pages are 
 step waits for any copy still reading them (`start_load_kv`) before its forward pass may write them. A push that
 fails is logged with its reason and counted; nothing waits on it.
 
+Tensor-parallel engines (_tp.py): each rank pushes its own part, `shard=(rank, tp)` (an empty one where it holds
+nothing of its own), and pulls `shard=(rank, tp)`; at start-up the KV heads vLLM gives the rank are checked against
+the broker's rule. Every rank reports each request in `get_finished` (vLLM counts a request done only once every
+rank has), and a rank whose pull fails reports the request as failed, which vLLM unites over the ranks: the
+request's prompt is recomputed on every rank, so a load is whole or not at all.
+
 Consumer: `start_load_kv` starts a background pull per request; each layer is written into the request's pages as
 soon as its key and value have arrived. When the pull ends — confirmed, or failed (broker gone, hand-off expired or
-cancelled, a checksum or digest failed, past `timeout`) — `get_finished` reports the request (finished receiving),
-and a failure's blocks are reported by `get_block_ids_with_load_errors`, so vLLM recomputes them (or fails the
-request, by its kv_load_failure_policy). vLLM schedules the request only then: its loads are asynchronous, which
+cancelled, a checksum or digest failed, past `timeout`) — `get_transfer_results` reports the request (finished
+receiving), a failure also as failed (`failed_recving`), so vLLM recomputes the request's prompt (or fails the
+request, by its kv_load_failure_policy). Failures go by request, not by block: block ids are unique only within a
+KV-cache group, and vLLM takes block-level errors from no connector of a model with several groups. vLLM schedules the request only then: its loads are asynchronous, which
 vLLM does not combine with layer-by-layer loading (`wait_for_layer_load` has nothing to wait for).
 """
 
@@ -37,6 +44,7 @@ import torch
 from handoff_client import HandoffClient, HandoffError
 from handoff_client._contract import Contract
 from handoff_client._errors import FingerprintMismatch
+from handoff_client._shards import Shard
 from handoff_client._torch import from_numpy, to_numpy
 
 from ._layouts import Geometry, PageLayout, layout_for
@@ -44,6 +52,7 @@ from ._pages import cache_writer
 from ._scheduler import HandoffConnectorMetadata, LoadSpec, SaveSpec
 from ._settings import ConnectorSettings
 from ._stats import HandoffConnectorStats
+from ._tp import check_kv_heads, rank_contracts, tp_shard
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +71,8 @@ class WorkerHalf:
         self.layouts: dict[str, PageLayout] = {}
         self.tensors: dict[str, tuple[str, str]] = {}  # vLLM layer name -> the contract's (key, value) tensors
         self.layer_of: dict[str, str] = {}  # the contract's tensor name -> its vLLM layer name
+        self.shard: Shard | None = None  # this worker's rank and TP size (register_kv_caches)
+        self.pushed: frozenset[str] = frozenset()  # the tensors this rank pushes
         self._stream: torch.cuda.Stream | None = None  # pages on a GPU: the stream the background copies run on
         self._senders = ThreadPoolExecutor(4, thread_name_prefix="handoff-push")
         self._sending: set[Future] = set()
@@ -71,7 +82,7 @@ class WorkerHalf:
         self._sent: set[str] = set()  # requests whose push ended (committed or failed)
         self._finished: set[str] = set()  # requests vLLM finished whose pages wait for their push
         self._received: set[str] = set()
-        self._load_errors: set[int] = set()
+        self._failed: set[str] = set()  # requests whose load failed, reported with the next finished receiving
         self._loading = 0  # pulls under way
         self.stats = HandoffConnectorStats()
 
@@ -82,15 +93,22 @@ class WorkerHalf:
 
         backend = get_current_attn_backends(self.vllm_config)[0].get_name()
         cache = self.vllm_config.cache_config
+        self.shard = tp_shard()
+        check_kv_heads(self.vllm_config, self.contract, self.shard)
+        holds, self.pushed = rank_contracts(self.contract, self.shard)
         for layer_name, pages in kv_caches.items():
             index = LAYER_INDEX.search(layer_name)
             if index is None:
                 raise ValueError(f"vLLM layer `{layer_name}` names no layer index the contract can match")
-            keys = [c for c in self.contract.of_layer(int(index.group(1))) if c.name.endswith("k_cache")]
-            values = [c for c in self.contract.of_layer(int(index.group(1))) if c.name.endswith("v_cache")]
+            own = list(holds.of_layer(int(index.group(1))))
+            keys = [c for c in own if c.name.endswith("k_cache")]
+            values = [c for c in own if c.name.endswith("v_cache")]
             if len(keys) != 1 or len(values) != 1:
                 raise ValueError(f"{self.contract.model}: layer {index.group(1)} has no key and value cache to carry")
             geometry = Geometry(keys[0].heads or 1, keys[0].head_dim or keys[0].cols, cache.block_size)
+            if pages.dim() == 4 and pages.shape[1] != geometry.kv_heads:  # vLLM 0.32's [blocks, heads, block, C]
+                raise ValueError(f"{self.contract.model}: vLLM pages `{layer_name}` with {pages.shape[1]} KV heads at "
+                                 f"TP {self.shard}; the contract gives this rank {geometry.kv_heads}")  # fmt: skip
             self.layouts[layer_name] = layout_for(backend, geometry, pages.dtype, self._isa(backend, geometry),
                                                   pages=pages, writer=cache_writer(self.vllm_config, layer_name))  # fmt: skip
             self.pages[layer_name] = pages
@@ -101,9 +119,13 @@ class WorkerHalf:
         if 2 * len(self.tensors) != len(self.contract.carried):
             raise ValueError(f"{self.contract.model}: vLLM pages {len(self.tensors)} layers of keys and values, "
                              f"the contract carries {len(self.contract.carried)} tensors")  # fmt: skip
-        logger.info("handoff connector: %d layers, %s pages, block %d, model %s at %s", len(kv_caches),
-                    backend, cache.block_size, self.contract.model, self.settings.target)  # fmt: skip
+        logger.info("handoff connector: %d layers, %s pages, block %d, TP %s, model %s at %s", len(kv_caches),
+                    backend, cache.block_size, self.shard, self.contract.model, self.settings.target)  # fmt: skip
         self._check_broker_contract()
+
+    def _part(self) -> Shard | None:
+        """The shard this rank pushes and pulls; None at TP 1 (the whole hand-off)."""
+        return None if self.shard is None or self.shard.whole else self.shard
 
     def _isa(self, backend: str, geometry: Geometry) -> str | None:
         if backend != "CPU_ATTN":
@@ -167,7 +189,7 @@ class WorkerHalf:
                 tensors = self._copy_out(save)
             copied.set()
             result = self.client.push(self.contract.model, save.handoff_id, save.rows, tensors,
-                                      ttl=self.settings.ttl or None)  # fmt: skip
+                                      ttl=self.settings.ttl or None, shard=self._part())  # fmt: skip
         except HandoffError as e:
             logger.warning("hand-off %s was not pushed: %s %s", save.handoff_id, e.reason, e.message)
             return self._record_failure(pushing=True)
@@ -178,9 +200,12 @@ class WorkerHalf:
             self.stats.record_push(result.bytes, time.perf_counter() - started)
 
     def _copy_out(self, save: SaveSpec) -> dict[str, np.ndarray]:
-        """Every layer's keys and values of the prompt's rows, out of the pages, in the contract's layout."""
+        """This rank's part of every layer's keys and values of the prompt's rows, out of the pages, in the
+        contract's layout (its heads' columns; at TP 1 the whole)."""
         tensors = {}
         for layer_name, (key_name, value_name) in self.tensors.items():
+            if key_name not in self.pushed:
+                continue  # its heads are pushed by a lower rank holding them too
             keys, values = self.layouts[layer_name].gather(self.pages[layer_name], list(save.block_ids), save.rows)
             tensors[key_name], tensors[value_name] = to_numpy(keys.cpu()), to_numpy(values.cpu())
         return tensors
@@ -206,7 +231,8 @@ class WorkerHalf:
         started = time.perf_counter()
         arrived: dict[str, np.ndarray] = {}
         try:
-            pulled = self.client.pull_tensors(self.contract.model, load.handoff_id, timeout=self.settings.timeout)
+            pulled = self.client.pull_tensors(self.contract.model, load.handoff_id, timeout=self.settings.timeout,
+                                              shard=self._part())  # fmt: skip
             with self._on_own_stream():
                 for carried, array in pulled:
                     arrived[carried.name] = array
@@ -217,7 +243,7 @@ class WorkerHalf:
             logger.warning("hand-off %s was not loaded (%s): vLLM recomputes its blocks", load.handoff_id, why)
             with self._lock:
                 self.stats.record_failure(pushing=False)
-                self._load_errors.update(load.block_ids[load.first // self._block_size() :])
+                self._failed.add(load.request_id)
                 self._received.add(load.request_id)
                 self._loading -= 1
             return
@@ -225,9 +251,6 @@ class WorkerHalf:
             self.stats.record_pull(nbytes, time.perf_counter() - started)
             self._received.add(load.request_id)
             self._loading -= 1
-
-    def _block_size(self) -> int:
-        return self.vllm_config.cache_config.block_size
 
     def _write_layer(self, load: LoadSpec, layer_name: str, arrived: dict[str, np.ndarray]) -> None:
         """Write the layer into the request's pages once both its key and its value have arrived (each tensor
@@ -257,10 +280,12 @@ class WorkerHalf:
             received, self._received = self._received, set()
         return released, received
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
+    def take_failed(self, received: set[str]) -> set[str]:
+        """The requests of `received` whose load failed (each reported once, with its finished receiving)."""
         with self._lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
+            failed = self._failed & received
+            self._failed -= failed
+        return failed
 
     def take_stats(self) -> HandoffConnectorStats | None:
         with self._lock:
