@@ -132,6 +132,8 @@ def probe_then_wait(
             last = named(broker, e)
             if type(e) is BrokerUnavailable:  # (not draining, not a lane that broke: the broker is not there)
                 unreachable[broker] = last
+        except HandoffError as e:  # (it had the hand-off, and something else went wrong: that is the answer)
+            raise named(broker, e) from None
     if brokers and brokers[0] in unreachable:
         raise owner_gone(brokers[0], unreachable[brokers[0]], departed.get(brokers[0]))
     for broker in answering[:1] or [b for b in brokers[PROBED:] if b not in departed][:1]:

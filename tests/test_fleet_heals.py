@@ -294,6 +294,7 @@ def test_a_broker_that_dies_restarts_or_loses_etcd_costs_only_what_it_held(fleet
         result = decode("pull", id=handoff_id, seed=seed, ticket=ticket, timeout=10)
         assert result.get("error") == "BrokerUnavailable" and result["broker"] == victim.address, result
         assert result["elapsed"] <= 1.0, f"part 1: heard of {victim.address}'s death after {result['elapsed']:.2f} s"
+        print(f"killed, in the set, ticket {ticket is not None}: BrokerUnavailable after {result['elapsed']:.2f} s")
     # ... and new pushes go to the next broker, on its lane.
     for handoff_id in ids_for(victim.address, addresses, "during-", 3):
         assert push(handoff_id)["broker"] != victim.address
@@ -309,6 +310,7 @@ def test_a_broker_that_dies_restarts_or_loses_etcd_costs_only_what_it_held(fleet
             f"{result}"
         )
         assert result["elapsed"] <= 1.0, f"part 1: heard of {victim.address}'s death after {result['elapsed']:.2f} s"
+        print(f"killed, out of the set, ticket {ticket is not None}: BrokerUnavailable after {result['elapsed']:.2f} s")
     until("the outage's end", lambda: time.time() >= killed + OUTAGE and victim.address not in decode.members(),
           OUTAGE + 5, every=0.5)  # fmt: skip
 
@@ -338,6 +340,10 @@ def test_a_broker_that_dies_restarts_or_loses_etcd_costs_only_what_it_held(fleet
     for attempt in gone:  # part 1 again, all through the outage
         assert attempt.get("error") == "BrokerUnavailable" and attempt["broker"] == victim.address, attempt
         assert attempt["elapsed"] <= 1.0, f"part 1: a pull heard of the dead broker after {attempt['elapsed']:.2f} s"
+    slowest = max(attempt["elapsed"] for attempt in gone)
+    print(
+        f"{len(gone)} pulls by ticket while it was gone, each BrokerUnavailable naming it, the slowest {slowest:.2f} s"
+    )
     assert prefill("fallbacks")["fallbacks"] == [], "a push to the dead broker blamed its lane"
     pushed_on_lane = {"name": "handoff_lane_bytes_total", "labels": {"model": MODEL, "kind": "push", "lane": "tcp"}}
     assert (decode("metric", url=victim.metrics(), **pushed_on_lane)["value"] or 0) > 0, "not on the restarted lane"
@@ -366,7 +372,7 @@ def test_a_broker_that_dies_restarts_or_loses_etcd_costs_only_what_it_held(fleet
     for handoff_id in sorted(held):
         deliver(handoff_id, with_ticket=handoff_id.startswith("b3-"))  # (b3's without their tickets)
     again = decode("pull", id=landed_id, seed=99, ticket=None, timeout=0.5)
-    assert again.get("error") == "WaitTimedOut", again
+    assert again.get("error") in ("HandoffGone", "WaitTimedOut"), again  # (delivered, and forgotten or remembered)
     for broker in (victim, cut, other):
         for state in ("receiving", "ready", "claimed"):
             sample = {"name": "handoff_held", "labels": {"state": state}}
