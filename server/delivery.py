@@ -137,6 +137,10 @@ class Delivery:
         tomb = h.tombstones.get(key)
         if group is None and tomb is not None and tomb.how == "cancelled":
             raise HandoffCancelled(model, handoff_id)
+        if group is None and tomb is not None and tomb.how == "aborted":
+            why = f" ({tomb.why})" if tomb.why else ""
+            raise PushAborted(model, handoff_id, f"failed before it was committed{why} and nothing of it is held; "
+                                                 "it may be pushed again, or recomputed")  # fmt: skip
         if group is None and tomb is not None:
             raise HandoffGone(model, handoff_id, GONE_WORDS[tomb.how])
         return False

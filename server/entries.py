@@ -269,11 +269,12 @@ class Entry:
 
 @dataclass(frozen=True)
 class Tombstone:
-    how: str  # expired, cancelled or confirmed
+    how: str  # expired, cancelled, confirmed, or aborted (its push failed before it committed: a new push replaces it)
     generation: int
     digest: str
     until: float
     position: int = -1  # the hand-off's position (-1: not known, as for a cancel of an id never held)
+    why: str = ""  # an aborted push's refusal, if known
 
 
 @dataclass(frozen=True)

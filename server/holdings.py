@@ -28,6 +28,7 @@ GONE_WORDS = {
     "expired": "expired before any decode worker claimed it",
     "cancelled": "was cancelled",
     "confirmed": "was already delivered to a decode worker and confirmed",
+    "aborted": "was not pushed: its push failed before it was committed",
 }
 
 
@@ -83,6 +84,8 @@ class Holdings:
         interrupts = entry.end(how)
         if how in ("expired", "cancelled", "confirmed"):
             self.bury(entry.key, how, entry.last_generation, entry.digest, entry.position)
+        elif how == "aborted" and entry.group is None:
+            self.bury(entry.key, "aborted", 0, "", entry.position)  # a puller waiting for it hears so at once
         self.changed.notify_all()
         group = entry.group
         if group is not None and group.ended is None:
@@ -107,13 +110,18 @@ class Holdings:
         group.reservation.release()
         if how in ("expired", "cancelled", "confirmed"):
             self.bury(group.key, how, generation if group.pull_size == 1 else 0, "")
+        elif how == "aborted":
+            self.bury(group.key, "aborted", 0, "")
         self.changed.notify_all()
         return interrupts
 
-    def bury(self, key: HandoffKey, how: str, generation: int, digest: str, position: int = -1) -> None:
-        """Leave a tombstone for `tombstone_ttl` s, so late callers hear how the hand-off went, not *unknown*."""
+    def bury(self, key: HandoffKey, how: str, generation: int, digest: str, position: int = -1, why: str = "") -> None:
+        """Leave a tombstone for `tombstone_ttl` s, so late callers hear how the hand-off went, not *unknown*: a
+        puller of a push that failed (`aborted`) hears PUSH_ABORTED at once instead of waiting out its deadline, until
+        a new push of the id replaces the tombstone."""
         self.tombstones.pop(key, None)
-        self.tombstones[key] = Tombstone(how, generation, digest, self.clock() + self.config.tombstone_ttl, position)
+        until = self.clock() + self.config.tombstone_ttl
+        self.tombstones[key] = Tombstone(how, generation, digest, until, position, why)
 
     def forget_tombstones(self, now: float) -> None:
         """Drop tombstones past their time (and the oldest, past MAX_TOMBSTONES): they are kept in burial order."""

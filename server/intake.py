@@ -104,7 +104,11 @@ class Intake:
                         break
                     remaining = deadline - h.clock()
                     if remaining <= 0 or contract.nbytes > h.config.max_bytes:
-                        raise CapacityExhausted(model, contract.nbytes, free, h.config.max_bytes)
+                        refused = CapacityExhausted(model, contract.nbytes, free, h.config.max_bytes)
+                        if shard.whole and user_key not in h.tombstones and user_key not in h.entries:
+                            h.bury(user_key, "aborted", 0, "", position, f"refused {refused.reason}: {refused.message}")
+                            h.changed.notify_all()  # a puller waiting for it hears so at once
+                        raise refused
                     if not is_active():
                         raise CallCancelled(
                             f"{model}: the push of `{handoff_id}` was abandoned while it waited for room"
@@ -120,6 +124,7 @@ class Intake:
                 entry.begin(session, interrupt, now)
                 if not shard.whole:
                     if group is None:
+                        h.tombstones.pop(user_key, None)  # (an aborted push's: a new one replaces it)
                         group = h.groups[user_key] = Group(user_key, filled, position, shard.size, now,
                                                            reservation=h.ledger.reservation())  # fmt: skip
                     group.pushed[shard.rank] = entry

@@ -159,7 +159,7 @@ class Store:
         with h.lock:
             entry, group = h.entries.get(key), h.groups.get(key)
             if entry is None and group is None:
-                if key not in h.tombstones:
+                if key not in h.tombstones or h.tombstones[key].how == "aborted":
                     h.bury(key, "cancelled", 0, "")  # a push that comes later is refused too
                 return False
             interrupts = h.end_group(group, "cancelled") if group is not None else []

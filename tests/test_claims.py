@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
-from handoff_client import AlreadyClaimed, HandoffClient, HandoffError, HandoffGone, WaitTimedOut
+from handoff_client import AlreadyClaimed, HandoffClient, HandoffError, HandoffGone, PushAborted
 from support import open_channel, raw_pull
 
 EVERY_PATH = True  # each test on the gRPC streams, the TCP lane and the shared-memory lane (conftest.PATHS)
@@ -122,7 +121,7 @@ def test_a_pusher_killed_mid_stream_leaves_nothing_visible_and_frees_its_memory(
     kill(worker)
     wait_until(lambda: broker.store.stats().resident_bytes == 0)
     assert_holds_nothing(broker)
-    with pytest.raises(WaitTimedOut):
+    with pytest.raises(PushAborted):  # a late puller hears at once that the push failed
         client.pull("wide-attention", "req", timeout=0.3)
     tensors = seeded_tensors(client.get_contract("wide-attention"), seed=8)
     client.push("wide-attention", "req", 2, tensors)  # the prefill's retry goes through

@@ -501,7 +501,7 @@ def test_a_pull_of_a_push_that_fails_midway_is_aborted_and_keeps_nothing(broker,
     thread.join(10)
     assert outcome["error"].reason == "UNKNOWN_TENSOR"
     assert_holds_nothing(broker)
-    with pytest.raises(WaitTimedOut):  # nothing of it is left to pull
+    with pytest.raises(PushAborted):  # nothing of it is left to pull, and a late puller hears why at once
         client.pull(DEMO, "r", timeout=0.3)
 
 
