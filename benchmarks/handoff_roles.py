@@ -8,14 +8,14 @@ import subprocess
 import time
 
 
-def payload(mib: int):  # noqa: ANN201 - a numpy array; numpy is imported only in the role processes
+def payload(mib: int):
     """The pushed tensor: the same random bytes in every process, so a puller can check what it got."""
     import numpy as np
 
     return np.random.default_rng(1).integers(0, 1 << 30, (mib * 256, 1024), dtype=np.int32).view(np.float32)
 
 
-def timed_call(client, model: str, side: str, handoff_id: str, mib: int, verify: bool = False) -> float:  # noqa: ANN001
+def timed_call(client, model: str, side: str, handoff_id: str, mib: int, verify: bool = False) -> float:
     """Push the payload ("push") or pull it into a preallocated array ("pull", checked with `verify`): the seconds
     the call took."""
     import numpy as np

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
 from handoff_client import (
+    NO_RETRY,
     AlreadyClaimed,
     CallCancelled,
     Contract,
@@ -37,7 +37,6 @@ from handoff_client import (
     HandoffClient,
     HandoffError,
     HandoffGone,
-    NO_RETRY,
 )
 from handoff_client._frames import encode_chunk
 from handoff_client._proto import handoff_pb2 as pb
@@ -81,7 +80,7 @@ def content(contract: Contract, handoff_id: str, base: dict[str, np.ndarray]) ->
 def broker_rss(pid: int) -> tuple[int, int]:
     """(VmRSS, VmHWM) of a process, in bytes."""
     text = Path(f"/proc/{pid}/status").read_text()
-    get = lambda key: int(re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE).group(1)) * 1024  # noqa: E731
+    get = lambda key: int(re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE).group(1)) * 1024
     return get("VmRSS"), get("VmHWM")
 
 

@@ -32,7 +32,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from handoff_client import HandoffClient, HandoffError, RetryPolicy
 from handoff_client._client import CHANNEL_OPTIONS
 from handoff_client._errors import from_rpc_error

@@ -33,7 +33,7 @@ class Authority:
 
     def __init__(self, name: str) -> None:
         self._key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self._name = _name(name)
         self._cert = (
             x509.CertificateBuilder()
@@ -50,7 +50,7 @@ class Authority:
 
     def issue(self, common: str, *, server: bool) -> Issued:
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         builder = (
             x509.CertificateBuilder()
             .subject_name(_name(common))

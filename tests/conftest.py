@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from handoff_broker import Broker, BrokerConfig, build_server
 from handoff_broker.contracts import load_contracts
 from handoff_client import Contract, HandoffClient
@@ -24,7 +23,7 @@ PATHS: dict[str, dict[str, object]] = {
     "default": {},  # as a broker serves by default: large hand-offs on a lane (these clients, on the broker's host,
     # take its shared-memory lane from 16 MiB, its TCP lane from 1 MiB), small ones on the stream
     "stream": {"lanes": False},  # every byte on the gRPC streams
-    "tcp": {"lane_min_bytes": 1, "shared_memory_lane": False},  # every byte a client can send on a lane, on the TCP lane
+    "tcp": {"lane_min_bytes": 1, "shared_memory_lane": False},  # all a client can send on a lane, on the TCP lane
     "shm": {"lane_min_bytes": 1, "shared_memory_lane_min_bytes": 1},  # ... on the shared-memory lane
 }
 """The paths a hand-off's bytes can take. A test module that sets `EVERY_PATH = True` runs each of its tests once on
@@ -98,10 +97,10 @@ def bits(array: np.ndarray) -> bytes:
 
 def assert_same_bits(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
     assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].shape == want[name].shape, name
-        assert got[name].dtype == want[name].dtype, name
-        assert bits(got[name]) == bits(want[name]), name
+    for name, wanted in want.items():
+        assert got[name].shape == wanted.shape, name
+        assert got[name].dtype == wanted.dtype, name
+        assert bits(got[name]) == bits(wanted), name
 
 
 def assert_holds_nothing(broker: Broker) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import grpc
-
 from handoff_client import Contract, HandoffClient, HandoffError, UnknownHandoff
 from handoff_client._client import CHANNEL_OPTIONS
 from handoff_client._errors import from_rpc_error

@@ -14,9 +14,8 @@ import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from handoff_broker.auth import TokenTable, hash_token
 from handoff_client import (
     BrokerBusy,
@@ -295,7 +294,7 @@ def test_a_puller_that_confirms_then_stops_reading_has_its_stream_ended(start_br
         with HandoffClient(broker.address) as client:
             client._call(client._confirm, pb.ConfirmRequest(model=DEMO, handoff_id="r", claim=header.claim), 5)
         deadline = time.monotonic() + 3
-        in_flight = lambda: broker.registry.get_sample_value("handoff_streams_in_flight", {"kind": "pull"})  # noqa: E731
+        in_flight = lambda: broker.registry.get_sample_value("handoff_streams_in_flight", {"kind": "pull"})
         while broker.admission.streams.taken or in_flight():  # (the call's end callbacks run one after another)
             assert time.monotonic() < deadline, "the confirmed pull's stream still holds its thread"
             time.sleep(0.05)
@@ -365,13 +364,13 @@ def test_a_push_whose_caller_died_waiting_for_room_never_replaces_its_live_retry
             client.push(DEMO, f"full{attempt}", 1, seeded_tensors(contract, seed=attempt))  # the broker is full
             gone = threading.Event()
 
-            def dead_prefill():
-                yield header_frame(contract, f"x{attempt}")
+            def dead_prefill(handoff_id: str, gone: threading.Event):
+                yield header_frame(contract, handoff_id)
                 gone.wait(30)
 
             with open_channel(broker.address) as channel:
                 push = channel.stream_unary(method_path("PushHandoff"), request_serializer=identity)
-                dying = push.future(dead_prefill(), timeout=30)
+                dying = push.future(dead_prefill(f"x{attempt}", gone), timeout=30)
                 wait_until(lambda: broker.admission.waiting.taken == 1)  # it waits for room ...
                 dying.cancel()  # ... and its prefill dies
             retry = seeded_tensors(contract, seed=100 + attempt)

@@ -13,7 +13,6 @@ from concurrent import futures
 from pathlib import Path
 
 import pytest
-
 from conftest import MANIFESTS, assert_same_bits, seeded_tensors
 from handoff_broker import Broker
 from handoff_client import HandoffClient, Shard, join_shards, shard_arrays

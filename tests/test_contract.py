@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import seeded_tensors
 from handoff_broker.contracts import default_contracts, load_contracts
 from handoff_client import (

@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from handoff_broker.entries import Entry, Stage, StoreConfig
 from handoff_broker.timers import COMPACT_FLOOR, Timers
 from handoff_client._contract import Carried, Contract

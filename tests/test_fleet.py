@@ -8,7 +8,6 @@ import time
 from collections import Counter
 
 import pytest
-
 from conftest import assert_same_bits, seeded_tensors
 from handoff_client import (
     BrokerUnavailable,
@@ -115,9 +114,8 @@ def test_a_draining_broker_gets_no_new_work_and_its_hand_offs_are_pulled_before_
 
 
 def test_a_pull_for_a_hand_off_nobody_pushed_times_out(fleet):
-    with HandoffClient(target(fleet)) as decode:
-        with pytest.raises(WaitTimedOut):
-            decode.pull(MODEL, "never", timeout=1)
+    with HandoffClient(target(fleet)) as decode, pytest.raises(WaitTimedOut):
+        decode.pull(MODEL, "never", timeout=1)
 
 
 def test_a_single_broker_client_checks_its_ticket_too(broker, contracts):

@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from handoff_client import MalformedRequest
 from handoff_client._etcd import b64, parse_etcd_url
 from handoff_client._fleet import make_ticket, read_ticket, rendezvous, ticket_for

@@ -11,15 +11,14 @@ import os
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import HandoffClient
 from handoff_client._frames import crc32c, encode_chunk
 from handoff_client._proto import handoff_pb2 as pb
-from support import open_channel
 from handoff_client._wire import identity, method_path
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import open_channel
 
 MODEL = "every-dtype"
 COUNTER = itertools.count()
@@ -49,13 +48,13 @@ def headers(contract) -> st.SearchStrategy[bytes]:
         st.builds(
             lambda p: pb.PushHeader(model=MODEL, handoff_id="fuzz", position=p, fingerprint=contract.fingerprint),
             st.integers(0, 2**64 - 1),
-        ),  # fmt: skip
+        ),
         st.builds(
             lambda m, i, f: pb.PushHeader(model=m, handoff_id=i, position=1, fingerprint=f),
             st.text(max_size=40),
             st.text(max_size=300),
             st.text(max_size=70),
-        ),  # fmt: skip
+        ),
     )
     return variants.map(lambda h: pb.PushRequest(header=h).SerializeToString())
 
@@ -72,7 +71,7 @@ def chunks() -> st.SearchStrategy[bytes]:
             st.integers(0, 2**64 - 1) | st.integers(0, 800),
             st.binary(max_size=900),
             st.booleans(),
-        ),  # fmt: skip
+        ),
         st.binary(max_size=64),  # garbage on the wire
     )
 

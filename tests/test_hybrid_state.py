@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from conftest import assert_holds_nothing
 from handoff_client import Contract, HandoffClient
 from handoff_client._architectures import contract_from_config
@@ -81,8 +80,8 @@ def transformers_configs() -> dict:
     for Mamba2 (vLLM models/nemotron_h.py, granitemoehybrid.py, falcon_h1.py), (key heads, value heads, k_dim,
     v_dim, kernel) for gated-delta layers (models/qwen3_next.py, qwen3_5.py)."""
     t = pytest.importorskip("transformers")
-    gdn = dict(hidden_size=256, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_key_head_dim=32, linear_value_head_dim=64, num_key_value_heads=2, head_dim=64)  # fmt: skip
+    gdn = {"hidden_size": 256, "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+           "linear_key_head_dim": 32, "linear_value_head_dim": 64, "num_key_value_heads": 2, "head_dim": 64}  # fmt: skip
     made = {
         "nemotron_h": t.NemotronHConfig(hidden_size=256, layers_block_type=["linear_attention", "mlp", "full_attention",
             "moe"], mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4,

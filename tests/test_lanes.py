@@ -123,9 +123,7 @@ def test_a_hand_off_under_the_lanes_floor_and_a_client_without_lanes_use_the_str
         assert lane_bytes(broker, model, kind) == 0
 
 
-def test_a_tcp_lane_the_client_cannot_reach_costs_one_fast_fallback_and_is_left_alone_for_a_while(
-    start_broker, caplog
-):
+def test_a_tcp_lane_the_client_cannot_reach_costs_one_fast_fallback_and_is_left_alone_for_a_while(start_broker, caplog):
     """As behind a firewall or a NAT the advertised address does not cross: the connection is refused. The pull does
     not wait out the broker's --idle-timeout for a lane that will never come, and later calls go on the streams."""
     broker = start_broker(contracts={"large": LARGE}, lane_advertise_host="127.0.0.2", idle_timeout=20.0, **TCP_ONLY)
@@ -213,7 +211,7 @@ def test_a_lane_opened_before_its_call_registered_the_capability_waits_for_it(st
     once, and the push fell back to the stream after --idle-timeout.)"""
     ca = Authority("handoff test CA")
     server = ca.issue("localhost", server=True)
-    tls = dict(tls_cert=server.cert, tls_key=server.key) if sealed else {}
+    tls = {"tls_cert": server.cert, "tls_key": server.key} if sealed else {}
     broker = start_broker(contracts={"large": LARGE}, max_bytes=256 << 20, **TCP_ONLY, **tls)
     tensors = seeded_tensors(LARGE)
     options = {"tls_root_certificates": ca.pem, "tls_server_name": "localhost"} if sealed else {}

@@ -4,7 +4,6 @@ exactly once, and the totals never go negative nor past their bounds."""
 from __future__ import annotations
 
 import pytest
-
 from handoff_broker.ledger import Ledger
 
 

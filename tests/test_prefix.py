@@ -17,9 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
-from handoff_client._architectures import contract_from_config
 from handoff_client import (
     CapacityExhausted,
     Contract,
@@ -29,6 +27,7 @@ from handoff_client import (
     UnknownTensor,
     WrongLength,
 )
+from handoff_client._architectures import contract_from_config
 from handoff_client._contract import Carried, cut_to_filled
 from handoff_client._errors import BadChunk
 from handoff_client._frames import crc32c
@@ -357,13 +356,13 @@ def test_every_pair_of_tp_sizes_moves_a_prefix_and_a_reshard_copies_only_its_fil
     broker = start_broker(contracts={TP_LLAMA.model: TP_LLAMA})
     filled = TP_LLAMA.at(10)
     whole = seeded_tensors(filled, seed=push_tp * 10 + pull_tp)
-    with HandoffClient(broker.address, timeout=20, chunk_bytes=3001) as client:
-        with futures.ThreadPoolExecutor(push_tp + pull_tp) as pool:
-            pulls = [pool.submit(client.pull, TP_LLAMA.model, "req", shard=(rank, pull_tp)) for rank in range(pull_tp)]
-            for rank in range(push_tp):
-                mine = shard_arrays(filled, whole, Shard(rank, push_tp), pushing=True)
-                pool.submit(client.push, TP_LLAMA.model, "req", 10, mine, shard=(rank, push_tp))
-            pulled = [p.result(timeout=30) for p in pulls]
+    client = HandoffClient(broker.address, timeout=20, chunk_bytes=3001)
+    with client, futures.ThreadPoolExecutor(push_tp + pull_tp) as pool:
+        pulls = [pool.submit(client.pull, TP_LLAMA.model, "req", shard=(rank, pull_tp)) for rank in range(pull_tp)]
+        for rank in range(push_tp):
+            mine = shard_arrays(filled, whole, Shard(rank, push_tp), pushing=True)
+            pool.submit(client.push, TP_LLAMA.model, "req", 10, mine, shard=(rank, push_tp))
+        pulled = [p.result(timeout=30) for p in pulls]
     for rank, handoff in enumerate(pulled):
         assert_same_bits(handoff.state, shard_arrays(filled, whole, Shard(rank, pull_tp), pushing=False))
     assert_same_bits(join_shards(filled, pulled, pull_tp).state, whole)

@@ -15,7 +15,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_holds_nothing
 from handoff_broker.cli import build_parser
 from handoff_broker.contracts import default_contracts

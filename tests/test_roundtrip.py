@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import HandoffClient, HandoffError
 from support import chunk_frames, header_frame, raw_push

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from certs import Authority
 from conftest import assert_same_bits, seeded_tensors
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from handoff_broker.auth import TokenTable, hash_token
 from handoff_client import (
     NO_RETRY,
@@ -168,8 +167,8 @@ def test_a_push_that_never_finishes_is_aborted_at_its_deadline(start_broker, con
     import threading
 
     from support import chunk_frames, header_frame
-    from test_lifecycle import push_in_thread
     from test_claims import wait_until
+    from test_lifecycle import push_in_thread
 
     broker = start_broker(push_deadline=0.6)  # a slow drip of chunks keeps it from ever being idle
     contract = contracts["demo-hybrid"]

@@ -7,6 +7,7 @@ heads; DeepSeek-V3's MLA latent, not split), over a short cache so every pair of
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import subprocess
@@ -558,10 +559,8 @@ def stalled_rank_push(target: str, contract: Contract, full: dict, rank: int, tp
         yield from rest
 
     def run():
-        try:
+        with contextlib.suppress(Exception):  # a corrupted push is meant to fail; the decoders say how
             raw_push(target, stream(), timeout=20)
-        except Exception:  # noqa: BLE001 - a corrupted push is meant to fail; the decoders say how
-            pass
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

@@ -25,14 +25,14 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from conftest import seeded_tensors  # noqa: E402
-from handoff_client import HandoffClient, tune_allocator  # noqa: E402
-from handoff_client._frames import crc32c  # noqa: E402
-from handoff_client._lane import new_capability  # noqa: E402
-from handoff_client._proto import handoff_pb2 as pb  # noqa: E402
-from handoff_client._ring import open_ring_lane  # noqa: E402
-from handoff_client._wire import identity, method_path  # noqa: E402
-from support import chunk_frames, header_frame, open_channel, raw_pull  # noqa: E402
+from conftest import seeded_tensors
+from handoff_client import HandoffClient, tune_allocator
+from handoff_client._frames import crc32c
+from handoff_client._lane import new_capability
+from handoff_client._proto import handoff_pb2 as pb
+from handoff_client._ring import open_ring_lane
+from handoff_client._wire import identity, method_path
+from support import chunk_frames, header_frame, open_channel, raw_pull
 
 
 def pull_and_stall(target: str, model: str, handoff_id: str, *shard: str) -> None:
