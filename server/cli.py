@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     health = subcommands.add_parser("health", help="ask a broker's gRPC health service; exit 0 when SERVING")
     _add_connection_flags(health)
     health.add_argument("--timeout", type=positive_seconds, default=3.0, help="seconds to wait for the answer (3)")
+    health.add_argument("--service", default="", type=_health_service,
+                        help='the health service to ask: "" (the broker itself: liveness) or handoff.v1.Fleet (in its '
+                        "fleet's set: readiness) (\"\")")  # fmt: skip
     health.set_defaults(run=commands.health)
     for choice in subcommands._choices_actions:  # each command's --help opens with what it does
         command = subcommands.choices[choice.dest]
@@ -227,6 +230,13 @@ INSTALL_SERVER = (
     "pip install 'handoff-broker[server] @ git+https://<its git URL>' from git"
 )
 """What installs the server extra: the package is on no index, so the hint names both ways that work."""
+
+
+def _health_service(name: str) -> str:
+    """A health service name, as the request carries it (at most 127 bytes: one length byte)."""
+    if len(name.encode()) > 127 or not name.isprintable():
+        raise argparse.ArgumentTypeError(f"`{name[:40]}` is not a health service name (printable, at most 127 bytes)")
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:

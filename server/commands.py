@@ -245,8 +245,9 @@ def _short_prompt_bytes(contract: Contract) -> str:
 
 
 def health(args: argparse.Namespace) -> int:
-    """Exit 0 when the broker at --target reports SERVING over the gRPC health service (Docker's HEALTHCHECK).
-    The call is made by hand (an empty HealthCheckRequest; the response's field 1, a varint, is the status), so the
+    """Exit 0 when the broker at --target reports SERVING over the gRPC health service (Docker's HEALTHCHECK), for
+    --service ("": the broker itself; handoff.v1.Fleet: in its fleet's set). The call is made by hand (a
+    HealthCheckRequest whose field 1 is the service's name; the response's field 1, a varint, is the status), so the
     client-only install can run it."""
     import grpc
     from handoff_client._calls import make_channel  # (grpc only: a HEALTHCHECK every 10 s stays cheap)
@@ -256,7 +257,8 @@ def health(args: argparse.Namespace) -> int:
     with make_channel(args.target, **tls) as channel:
         check = channel.unary_unary(HEALTH_CHECK, request_serializer=bytes, response_deserializer=bytes)
         try:
-            response = check(b"", timeout=args.timeout)
+            service = args.service.encode()  # (at most 127 bytes, the CLI checked: one length byte)
+            response = check(b"\x0a" + bytes([len(service)]) + service if service else b"", timeout=args.timeout)
         except grpc.RpcError as e:
             print(f"{args.target}: {e.code().name}", file=sys.stderr)
             return 1

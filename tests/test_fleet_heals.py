@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 from conftest import seeded_tensors
 from handoff_broker.app import Broker as LoopbackBroker
+from handoff_broker.cli import main as cli
 from handoff_client import BrokerUnavailable, HandoffClient
 from handoff_client._fleet import read_ticket, rendezvous
 from test_fleet_etcd import running_etcd
@@ -476,6 +477,8 @@ def test_a_broker_cut_from_etcd_past_its_lease_says_it_is_out_and_comes_back(etc
                   lambda: fleet_health(broker) == health_pb2.HealthCheckResponse.NOT_SERVING, 6)  # fmt: skip
             assert broker.registry.get_sample_value("handoff_fleet_registered") == 0
             assert fleet_health(broker, "") == health_pb2.HealthCheckResponse.SERVING  # (it still serves what it holds)
+            assert cli(["health", "--target", broker.address, "--service", FLEET]) == 1  # (a readiness probe's exec)
+            assert cli(["health", "--target", broker.address]) == 0  # (a liveness probe's)
         finally:
             process.send_signal(signal.SIGCONT)
         resumed = time.monotonic()
@@ -483,6 +486,7 @@ def test_a_broker_cut_from_etcd_past_its_lease_says_it_is_out_and_comes_back(etc
               lambda: fleet_health(broker) == health_pb2.HealthCheckResponse.SERVING, 6)  # fmt: skip
         until("back in the set", lambda: broker.address in client._set.brokers(), 6)
         assert time.monotonic() - resumed <= 2.0 + 0.5  # one lease, and a refresh
+        assert cli(["health", "--target", broker.address, "--service", FLEET]) == 0
     assert broker.registry.get_sample_value("handoff_fleet_registered") == 1
 
 
