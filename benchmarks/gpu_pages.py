@@ -74,8 +74,8 @@ def describe(out: Path) -> None:
     from handoff_client.vllm._state_pages import learn_transposed
     from vllm.v1.kv_cache_interface import KVCacheLayout
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests import vllm_pages  # the test helpers that allocate through vLLM's own code
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import vllm_pages  # the test helpers that allocate through vLLM's own code
 
     heads, dim, block, blocks = 2, 64, 32, 4
     layouts = {}

