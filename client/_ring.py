@@ -38,6 +38,7 @@ from ._lane import FRAME, READY, FrameHeader, LaneClosed, LaneUnreachable, parse
 # stay in cache between the writer and the reader.
 RING_BYTES = 2 << 20
 MIN_RING_BYTES = 64 << 10
+MAX_RING_BYTES = 64 << 20  # the largest ring either side maps: a lane's longest frame (MAX_LANE_CHUNK)
 PIECE_BYTES = 2 << 20  # the most one announced piece holds, so the receiver copies while the sender writes
 MIN_PIECE_BYTES = 256 << 10  # the least a piece holds, unless it ends its frame or meets the ring's end
 PIECE = struct.Struct("<I")  # a piece's length (sender) or room given back (receiver)
@@ -80,7 +81,10 @@ def offer_ring(sock: socket.socket, fd: int, size: int) -> None:
 
 
 def map_ring(fd: int, size: int) -> mmap.mmap:
-    """Map a ring both sides may write (the broker's own, or one it passed): checked to be what READY said."""
+    """Map a ring both sides may write (the broker's own, or one it passed): checked to be what READY said, and no
+    larger than MAX_RING_BYTES (READY's u32 could announce 4 GiB, which a client would map and populate at once)."""
+    if size > MAX_RING_BYTES:
+        raise LaneClosed(f"the lane's ring of {size} bytes is past the {MAX_RING_BYTES} a ring may be")
     if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & RING_SEALS != RING_SEALS or os.fstat(fd).st_size != size:
         raise LaneClosed("the lane's ring is not a sealed memfd of the size announced")
     # Its pages all mapped at once (MAP_POPULATE), not faulted in one by one as the first frames pass.

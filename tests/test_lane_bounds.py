@@ -3,17 +3,21 @@ measured from outside, on a broker in its own process, as its monitor and the OO
 
 from __future__ import annotations
 
+import mmap
+import os
 import socket
 import time
 
 import grpc
+import pytest
 from broker_process import BrokerProcess
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from handoff_client import HandoffClient
 from handoff_client._contract import Carried, Contract
 from handoff_client._errors import from_rpc_error
-from handoff_client._lane import FRAME, new_capability, open_lane
+from handoff_client._lane import FRAME, LaneClosed, new_capability, open_lane
 from handoff_client._proto import handoff_pb2 as pb
+from handoff_client._ring import MAX_RING_BYTES, RING_BYTES, map_ring, new_ring, ring_bytes
 from handoff_client._seal import lane_key, sealed_opening
 from handoff_client._wire import identity, method_path
 
@@ -74,3 +78,16 @@ def test_sealed_frame_headers_that_lie_about_their_length_make_the_broker_hold_o
         status = client.status()
         assert (status.receiving, status.resident_bytes) == (0, 0)
     assert grown < 32 * MiB, f"the broker grew {grown / MiB:.0f} MiB for {2 * LIES} frames of 100 bytes"
+
+
+def test_no_side_maps_a_ring_past_64_mib_whatever_ready_announces():
+    """READY's ring size is a u32: a broker (or anything on its socket) could announce 4 GiB, which the client
+    mapped and populated up front. The broker's own rings are at most RING_BYTES (2 MiB)."""
+    assert ring_bytes(1 << 40) == RING_BYTES <= MAX_RING_BYTES
+    size = MAX_RING_BYTES + mmap.PAGESIZE
+    fd = new_ring(size)
+    try:
+        with pytest.raises(LaneClosed, match="past the"):
+            map_ring(fd, size)
+    finally:
+        os.close(fd)
