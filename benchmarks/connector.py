@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench import llama3_8b  # (this folder: the same Llama-3-8B manifest bench.py measures)
+from _harness import llama3_8b  # (this folder: the same Llama-3-8B manifest throughput.py measures)
 from handoff_client import HandoffClient, from_numpy, to_numpy
 from handoff_client.vllm._layouts import Geometry, layout_for
 from safetensors.torch import load_file, save_file

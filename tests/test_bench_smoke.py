@@ -1,5 +1,6 @@
-"""The benchmark runs end to end and its figures are sane. Never a timed assertion: the figures are printed, not
-judged (this machine is shared and noisy); the judging is done by people reading `python benchmarks/bench.py`."""
+"""The side-by-side benchmarks run end to end and their figures are sane. Never a timed assertion: the figures are
+printed, not judged (this machine is shared and noisy); the judging is done by people reading
+`python benchmarks/<comparison>.py` (benchmarks/bench.py runs every one)."""
 
 from __future__ import annotations
 
@@ -15,39 +16,72 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_benchmark_runs_every_path_and_reports_sane_figures(tmp_path: Path):
-    out = tmp_path / "bench.json"
+def quick_run(tmp_path: Path, comparison: str) -> tuple[dict, str]:
+    """`benchmarks/<comparison>.py --quick --runs 1`: its figures (--json) and what it printed."""
+    out = tmp_path / f"{comparison}.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--runs", "1", "--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / f"{comparison}.py"), "--quick", "--runs", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     print(result.stdout)
     assert result.returncode == 0, result.stderr
-    figures = json.loads(out.read_text())
+    assert "QUICK RUN: a smoke test" in result.stdout  # its figures are not to be read as measurements
+    return json.loads(out.read_text()), result.stdout
+
+
+def test_throughput_runs_every_path_against_its_baselines(tmp_path: Path):
+    figures, printed = quick_run(tmp_path, "throughput")
     for label, row in figures["throughput"].items():
         paths = row["paths"]
         assert {"memcpy x2", "tcp relay", "checked relay", "naive grpc", "tuned grpc", "handoff", "handoff tcp",
-                "handoff shm"} <= set(paths), label
+                "handoff shm"} <= set(paths), label  # fmt: skip
         for name, path in paths.items():
             assert path["mib_s"] > 0 and path["vs_tcp"] > 0, (label, name)
         assert paths["tcp relay"]["vs_tcp"] == 1.0 and paths["tuned grpc"]["vs_tuned_grpc"] == 1.0
         assert set(row["broker_cpu_s_per_gib"]) == {"stream", "tcp", "shm"}
         assert all(seconds >= 0 for seconds in row["broker_cpu_s_per_gib"].values())
         assert row["relay_cpu_s_per_gib"] >= 0 and row["checked_relay_cpu_s_per_gib"] >= 0
-    assert figures["latency"]["handoff"]["p50_ms"] <= figures["latency"]["handoff"]["p99_ms"]
-    assert 0 < figures["latency"]["grpc 1 call"]["p50_ms"] < figures["latency"]["grpc floor"]["p50_ms"]
-    assert set(figures["concurrency"]) == {"1", "4"}
-    assert figures["memory"]["bytes_held"] > 0 and figures["memory"]["broker_cpu_s_per_gib_push_then_pull"] > 0
-    resharding = figures["resharding"]["paths"]
-    assert set(resharding) == {"1 -> 1", "2 -> 2", "4 -> 2"} and resharding["1 -> 1"]["vs_whole"] == 1.0
-    assert all(path["mib_s"] > 0 and path["first_tensor_at"] > 0 for path in resharding.values())
+    assert "x tcp relay" in printed
+    assert "(broker CPU and pipelining are reported from 16 MiB up" in printed  # (1 MiB: fixed costs)
+
+
+def test_prompts_move_only_the_filled_rows_against_the_padded_hand_off(tmp_path: Path):
+    figures, printed = quick_run(tmp_path, "prompts")
     prompts = figures["prompts"]["rows"]
     assert set(prompts) == {"512 tokens", "2048 tokens"}
     assert prompts["512 tokens"]["bytes"] == 512 * 4 * 1024 * 2  # the filled rows of 2 layers' K and V, no more
-    assert all(row["seconds"] > 0 and row["vs_tcp"] > 0 for row in prompts.values())
-    assert "x tcp relay" in result.stdout and "x faster than padded" in result.stdout
-    assert "QUICK RUN: a smoke test" in result.stdout  # its figures are not to be read as measurements
-    assert "(broker CPU and pipelining are reported from 16 MiB up" in result.stdout  # (1 MiB: fixed costs)
+    assert all(row["seconds"] > 0 and row["vs_tcp"] > 0 and row["x_faster_than_padded"] > 0 for row in prompts.values())
+    assert "x faster than padded" in printed
+
+
+def test_latency_is_reported_against_the_grpc_floor(tmp_path: Path):
+    figures, _ = quick_run(tmp_path, "latency")
+    latency = figures["latency"]
+    assert latency["handoff"]["p50_ms"] <= latency["handoff"]["p99_ms"]
+    assert 0 < latency["grpc 1 call"]["p50_ms"] < latency["grpc floor"]["p50_ms"]
+    assert latency["grpc floor"]["vs_floor"] == 1.0 and latency["handoff"]["vs_floor"] > 0
+
+
+def test_resharding_is_reported_against_the_whole_hand_off(tmp_path: Path):
+    figures, _ = quick_run(tmp_path, "resharding")
+    paths = figures["resharding"]["paths"]
+    assert set(paths) == {"1 -> 1", "2 -> 2", "4 -> 2"} and paths["1 -> 1"]["vs_whole"] == 1.0
+    assert all(path["mib_s"] > 0 and path["first_tensor_at"] > 0 for path in paths.values())
+
+
+def test_concurrency_and_memory_run_through_the_all_in_one_script(tmp_path: Path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--runs", "1", "--only", "concurrency",
+         "--only", "memory", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    print(result.stdout)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(out.read_text())
+    assert set(figures["concurrency"]) == {"1", "4"} and figures["concurrency"]["1"]["vs_one_pair"] == 1.0
+    assert figures["memory"]["bytes_held"] > 0 and figures["memory"]["broker_cpu_s_per_gib_push_then_pull"] > 0
+    assert "throughput" not in figures and figures["machine"]["cpus"] > 0
 
 
 def test_the_long_link_benchmark_runs_every_path_and_removes_its_namespaces():
