@@ -259,8 +259,11 @@ class FleetClient:
         )
 
     def cancel(self, model: str, handoff_id: str, **kwargs: object) -> bool:
-        """Cancel wherever the hand-off is; True if some broker held it."""
-        for broker in rendezvous(self._set.brokers(), model, handoff_id):
+        """Cancel wherever the hand-off is (a broker that left the set recently may still hold it); True if some
+        broker held it."""
+        brokers = self._set.brokers()
+        departed = [b for b in self._set.left_recently() if b not in brokers]
+        for broker in rendezvous(brokers + departed, model, handoff_id):
             try:
                 if self._client(broker).cancel(model, handoff_id, **kwargs):
                     return True
