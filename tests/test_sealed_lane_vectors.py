@@ -17,7 +17,6 @@ pytest.importorskip("cryptography", reason="cryptography is not installed: pip i
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
 from handoff_client._frames import crc32c
 from handoff_client._seal import SealedFrames, lane_key, sealed_opening
 
