@@ -45,6 +45,11 @@ END = 0xFFFFFFFF
 MAX_LANE_CHUNK = 64 << 20
 SOCKET_BUFFER = 4 << 20
 READY_POLL = 0.05  # seconds between looks at the call while waiting for READY
+OPENING_TIMEOUT = 5.0
+"""Seconds either side gives a lane to open (docs/lanes.md): the client to connect (and, on a pull, to hear READY);
+the broker to read a new connection's opening, and, once a call needs its lane, for its connections to come. Past
+it both give the lane up and the call's bytes go on its stream: a lane that cannot open costs a call this at most,
+never the broker's --idle-timeout, and an idle connection to the lane port holds nothing for longer."""
 INFO = "handoff lane v1 "  # what every key and value derived from a capability is derived for begins so
 MAX_CONNECTIONS = 16  # the most connections one call's TCP lane may be striped over
 DEFAULT_MAX_CONNECTIONS = 8  # what a broker allows unless told otherwise (--lane-max-connections)
@@ -121,7 +126,7 @@ def open_lanes(
     try:
         for opening in openings:
             try:
-                sock = socket.create_connection((host, port), timeout=timeout)
+                sock = socket.create_connection((host, port), timeout=min(timeout, OPENING_TIMEOUT))
             except OSError as e:
                 raise LaneUnreachable(f"cannot connect to {host}:{port}: {e}") from None
             socks.append(sock)

@@ -4,6 +4,8 @@ whole checked against the digest before the claim is confirmed."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -25,7 +27,7 @@ from ._errors import (
     from_rpc_error,
 )
 from ._frames import ChunkFrame, crc32c, handoff_digest
-from ._lane import LaneUnreachable
+from ._lane import OPENING_TIMEOUT, LaneUnreachable
 from ._lane_choice import describe, fell_back, open_frames
 from ._proto import handoff_pb2 as pb
 from ._shards import Shard, view
@@ -91,13 +93,19 @@ class PullAttempts:
             raise
         finally:
             self.claim = tensors.claim or self.claim
+            self.lanes = self.lanes and not tensors.left_its_lane  # (its retries go on the stream too)
 
     def retryable(self, error: HandoffError) -> bool:
         return retryable_pull(error) or (self.broke and isinstance(error, AlreadyClaimed))
 
 
 class PulledTensors:
-    """One pull's stream: iterate for `(carried, array)` as each tensor completes; then `.handoff`, confirmed."""
+    """One pull's stream: iterate for `(carried, array)` as each tensor completes; then `.handoff`, confirmed.
+
+    A pull whose lane breaks (cannot be reached, cannot open within the opening deadline, or breaks midway) starts
+    over on the gRPC stream within the same iteration and the same timeout, naming the claim it held so the broker
+    hands it over at once: each tensor is then yielded again, and the last yield of a tensor is the one that counts
+    (a decoder writing each into its pages by name just writes it again)."""
 
     def __init__(
         self,
@@ -121,6 +129,8 @@ class PulledTensors:
         self._handoff: Handoff | None = None
         self.claim = 0
         """The claim's generation, once the header has come."""
+        self.left_its_lane = False
+        """Whether its lane broke and it went on the stream."""
 
     @property
     def handoff(self) -> Handoff:
@@ -130,16 +140,41 @@ class PulledTensors:
         return self._handoff
 
     def __iter__(self) -> Iterator[tuple[Carried, np.ndarray]]:
+        started = time.monotonic()
         try:
-            header, handoff = yield from self._receive()
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            try:
+                header, handoff = yield from self._translated()
+            except LaneBroken as e:
+                if not self._request.lane_capability:
+                    raise
+                fell_back("pull", e)
+                self.left_its_lane = True
+                self._on_the_stream(max(self._timeout - (time.monotonic() - started), 0.0))
+                header, handoff = yield from self._translated()
         except BaseException:
             self._stream.cancel()  # the broker returns the claim at once, for the next pull
             raise
         model, shard = self._declared.model, shard_to_proto(self._shard)
         self._client._confirm_claim(model, self._handoff_id, header.claim, self._timeout, shard)
         self._handoff = handoff
+
+    def _translated(self) -> Iterator[tuple[Carried, np.ndarray]]:
+        try:
+            return (yield from self._receive())
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def _on_the_stream(self, timeout: float) -> None:
+        """After the lane broke: this call is cancelled (the broker returns its claim at once), and the pull made
+        again with no lane, naming that claim, for what is left of `timeout`."""
+        self._stream.cancel()
+        request = pb.PullRequest()
+        request.CopyFrom(self._request)
+        request.supersedes = self.claim or request.supersedes
+        for lane_field in ("lane_capability", "lane_kind", "lane_connections"):
+            request.ClearField(lane_field)
+        self._request, self._timeout = request, timeout
+        self._stream = self._client._pull(request, timeout=timeout, metadata=self._client._metadata)
 
     def _receive(self) -> Iterator[tuple[Carried, np.ndarray]]:
         model, stream = self._declared.model, self._stream
@@ -203,7 +238,12 @@ class PulledTensors:
             raise MalformedRequest("the broker named a lane for a pull that offered none, or another kind", model)
         try:
             connections = self._request.lane_connections or 1
-            frames = open_frames(lane, self._client.target, capability, self._timeout, "pull", connections=connections)
+            ready_by = time.monotonic() + OPENING_TIMEOUT  # the broker sends READY once the connections are in
+
+            def given_up() -> bool:
+                return time.monotonic() > ready_by
+
+            frames = open_frames(lane, self._client.target, capability, self._timeout, "pull", given_up, connections)
             try:
                 while not (frame := frames.read_header()).end:
                     if frame.index >= len(contract.carried):
@@ -224,7 +264,13 @@ class PulledTensors:
             raise broken from None
 
     def _stream_status(self) -> None:
-        """After the lane ended early: raise the call's own error, if the broker ended it with one."""
+        """After the lane ended early: raise the call's own error, if the broker ended it with one. The broker ends a
+        call whose lane broke as soon as it sees it, and gives up a lane that did not open within OPENING_TIMEOUT: a
+        call still open after that long is left (and cancelled by the caller)."""
+        ended = threading.Event()
+        self._stream.add_done_callback(lambda _: ended.set())
+        if not ended.wait(OPENING_TIMEOUT):
+            return
         try:
             next(self._stream, None)
         except grpc.RpcError as e:

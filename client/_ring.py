@@ -30,7 +30,17 @@ from functools import cache
 
 import numpy as np
 
-from ._lane import FRAME, READY, FrameHeader, LaneClosed, LaneUnreachable, parse_header, present, recv_exact
+from ._lane import (
+    FRAME,
+    OPENING_TIMEOUT,
+    READY,
+    FrameHeader,
+    LaneClosed,
+    LaneUnreachable,
+    parse_header,
+    present,
+    recv_exact,
+)
 
 # The most a lane's ring holds (a smaller hand-off gets a smaller ring). Measured (2 vCPUs, pull made before the
 # push, medians): 2 MiB moved 16 MiB hand-offs 1.7x and 64 MiB ones 1.4x faster than 8 MiB, and 256 MiB ones as
@@ -98,7 +108,7 @@ def open_ring_lane(
     if the socket cannot be reached: another host, container or user; LaneClosed as open_lane)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.settimeout(timeout)
+        sock.settimeout(min(timeout, OPENING_TIMEOUT))  # (a broker whose socket's backlog is full: not for long)
         sock.connect(path)
     except OSError as e:
         sock.close()

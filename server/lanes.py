@@ -5,9 +5,11 @@ The gRPC call stays the control plane: its handler registers the capability the 
 (`expect`), and the connection that presents it first, within the call's wait, is handed to that handler alone.
 A connection is read for nothing but its opening (MAGIC and a capability, 40 bytes) and held no longer than
 OPENING_TIMEOUT for its call to register that capability (a pusher opens its lane as it sends the header, which the
-call may not have read yet), MAX_OPENINGS at a time; one that presents anything else is closed unanswered. A
-capability is single-use, void once its call ends, and bound to that call's hand-off and direction by being known
-only to its handler.
+call may not have read yet), MAX_OPENINGS at a time; one that presents anything else is closed unanswered. When
+all MAX_OPENINGS are taken a new connection takes the place of the oldest of the source (peer address, or process on
+the Unix socket) holding the most, so idle connections hold nothing past OPENING_TIMEOUT and no source more than its
+share. A capability is single-use, void once its call ends, and bound to that call's hand-off and direction by being
+known only to its handler.
 A connection on the Unix socket is accepted only from a peer of the broker's own user (SO_PEERCRED), and the
 socket sits in a directory only that user can enter.
 The wire is handoff_client/_lane.py and _ring.py (and docs/lanes.md).
@@ -28,13 +30,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from handoff_client._lane import CAPABILITY_BYTES, MAGIC, tune
+from handoff_client._lane import CAPABILITY_BYTES, MAGIC, OPENING_TIMEOUT, tune
 from handoff_client._seal import sealed_opening
 
 logger = logging.getLogger(__name__)
 
-OPENING_TIMEOUT = 5.0  # seconds a new connection has to present MAGIC and its capability
-MAX_OPENINGS = 64  # connections being read for their opening at once; more are closed unread
+# OPENING_TIMEOUT (handoff_client._lane): seconds a new connection has to present its opening and be taken by its call
+MAX_OPENINGS = 64  # connections being read for their opening at once; past it a new one takes the place of another
+# Seconds the listeners rest when accept fails for want of descriptors: the first rest, and the most (it doubles).
+ACCEPT_REST = (0.02, 1.0)
 VOIDED_REMEMBERED = 4096  # capabilities whose call ended, remembered so a late opening is closed at once
 OPENING_BYTES = len(MAGIC) + CAPABILITY_BYTES
 
@@ -60,10 +64,12 @@ class Expected:
 
 @dataclass(eq=False)
 class _Opening:
-    """A connection whose opening is being read (or is read, its capability not registered yet)."""
+    """A connection whose opening is being read (or is read, its capability not registered yet), from `source`: its
+    peer's address on TCP, its peer's process on the Unix socket."""
 
     sock: socket.socket
     deadline: float
+    source: str
     received: bytearray = field(default_factory=bytearray)
 
     @property
@@ -128,6 +134,8 @@ class LaneListener:
         self._wake_reader, self._wake_writer = socket.socketpair()  # a registration wakes the reading thread
         self._wake_reader.setblocking(False)
         self._openings: dict[socket.socket, _Opening] = {}  # touched by the reading thread only
+        self._resting_until: float | None = None  # ... as are these: the listeners rest, out of descriptors
+        self._rest = ACCEPT_REST[0]
         self._closed = False
         self._thread = threading.Thread(target=self._serve_forever, name="handoff-lane-openings", daemon=True)
 
@@ -227,7 +235,13 @@ class LaneListener:
             selector.register(self._wake_reader, selectors.EVENT_READ)
             while not self._closed:
                 deadlines = [opening.deadline for opening in self._openings.values()]
+                if self._resting_until is not None:
+                    deadlines.append(self._resting_until)
                 timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+                if self._resting_until is not None and time.monotonic() >= self._resting_until:
+                    self._resting_until = None  # try the listeners again
+                    for listener in self._listeners:
+                        selector.register(listener, selectors.EVENT_READ, "listener")
                 for key, _ in selector.select(timeout):
                     if key.data == "listener":
                         self._accept(selector, key.fileobj)  # type: ignore[arg-type]
@@ -244,19 +258,48 @@ class LaneListener:
             try:
                 sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
+                self._rest = ACCEPT_REST[0]
                 return
-            except OSError:  # out of descriptors, say: the next readiness tries again
+            except OSError as e:  # out of descriptors (EMFILE, ENFILE) or memory: rest, or this loop would spin
+                self._rest_listeners(selector, e)
                 return
+            if sock.family == socket.AF_UNIX:
+                pid, uid = _peer(sock)
+                if uid != os.geteuid():
+                    logger.warning("a shared-memory lane connection from user %s, not the broker's: closed", uid)
+                    _close(sock)
+                    continue
+                source = f"process {pid}"
+            else:
+                source = _address(sock)
             if len(self._openings) >= MAX_OPENINGS:
-                _close(sock)  # too many openings under way: this one is not read at all
-                continue
-            if sock.family == socket.AF_UNIX and (uid := _peer_uid(sock)) != os.geteuid():
-                logger.warning("a shared-memory lane connection from user %s, not the broker's: closed", uid)
-                _close(sock)
-                continue
+                self._make_room(selector)
             sock.setblocking(False)
-            self._openings[sock] = _Opening(sock, time.monotonic() + OPENING_TIMEOUT)
+            self._openings[sock] = _Opening(sock, time.monotonic() + OPENING_TIMEOUT, source)
             selector.register(sock, selectors.EVENT_READ)
+
+    def _rest_listeners(self, selector: selectors.BaseSelector, error: OSError) -> None:
+        """Stop watching the listeners for a while, as gRPC's own listener does: a connection waiting in the backlog
+        keeps them readable, and accept fails until a descriptor is free, so watching them would spin a core. The
+        rest doubles while accept keeps failing, up to ACCEPT_REST[1]; the connections wait in the backlog."""
+        for listener in self._listeners:
+            if listener in selector.get_map():
+                selector.unregister(listener)
+        self._resting_until = time.monotonic() + self._rest
+        logger.warning("the lanes cannot accept a connection (%s): not trying again for %.2f s", error, self._rest)
+        self._rest = min(2 * self._rest, ACCEPT_REST[1])
+
+    def _make_room(self, selector: selectors.BaseSelector) -> None:
+        """Every opening is taken: close one for a new connection, of the source holding the most (so no source holds
+        more than its share while others wait), the oldest of those still presenting, else the oldest. A call's own
+        connection presents its 40 bytes as it connects, so idle connections, however many, never keep it out."""
+        held: dict[str, list[_Opening]] = {}
+        for opening in self._openings.values():  # (in the order they came)
+            held.setdefault(opening.source, []).append(opening)
+        most = max(held.values(), key=len)
+        presenting = [opening for opening in most if len(opening.received) < OPENING_BYTES]
+        why = f"gave its place to a newer one ({len(most)} of the openings from {most[0].source})"
+        self._drop(selector, (presenting or most)[0], why, logging.DEBUG)  # (a flood would flood the log too)
 
     def _read(self, selector: selectors.BaseSelector, opening: _Opening) -> None:
         try:
@@ -305,18 +348,26 @@ class LaneListener:
             if void or now >= opening.deadline:
                 self._drop(selector, opening, "presented no valid capability")
 
-    def _drop(self, selector: selectors.BaseSelector, opening: _Opening, why: str) -> None:
-        logger.info("a lane connection %s: closed", why)
+    def _drop(self, selector: selectors.BaseSelector, opening: _Opening, why: str, level: int = logging.INFO) -> None:
+        logger.log(level, "a lane connection %s: closed", why)
         if opening.sock in selector.get_map():
             selector.unregister(opening.sock)
         del self._openings[opening.sock]
         _close(opening.sock)
 
 
-def _peer_uid(sock: socket.socket) -> int:
-    """The user of the process at the other end of a Unix socket (as the kernel saw it connect)."""
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return uid
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    """The process and the user at the other end of a Unix socket (as the kernel saw it connect)."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
+def _address(sock: socket.socket) -> str:
+    """The peer's address (without its port) of a TCP connection: the source whose openings are counted together."""
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:  # gone already
+        return "?"
 
 
 def _stale_socket(path: str) -> bool:

@@ -23,6 +23,7 @@ from handoff_client._errors import (
     bounded,
 )
 from handoff_client._frames import ChunkFrame
+from handoff_client._lane import OPENING_TIMEOUT
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._wire import Malformed, contract_to_proto, shard_from_proto
 
@@ -82,6 +83,9 @@ class HandoffBrokerServicer:
         self.watchdog = watchdog
         self.max_message_bytes = max_message_bytes
         self.idle_timeout = idle_timeout
+        # How long a call waits for its lane's connections once it needs them: the opening deadline, which the client
+        # keeps too, so both give a lane that cannot open up at once and the bytes go on the stream.
+        self._opening_timeout = min(idle_timeout, OPENING_TIMEOUT)
         self.lanes = lanes
         # What GetLanes and each pull's header offer: fixed for the broker's life, as its listeners are.
         self.offers = [] if lanes is None else lane_offers(lanes, lane_min_bytes, shm_lane_min_bytes, max_message_bytes)
@@ -164,7 +168,7 @@ class HandoffBrokerServicer:
                     waiting.give_back()
             try:
                 if lane is not None:
-                    frames = lane.open(self.idle_timeout, session.contract.nbytes, "push")
+                    frames = lane.open(self._opening_timeout, session.contract.nbytes, "push")
                     for chunk in received_chunks(frames, session.contract, header.model, self.idle_timeout,
                                                  self.max_message_bytes, session.check_frame):  # fmt: skip
                         session.add(chunk)
@@ -303,7 +307,7 @@ class HandoffBrokerServicer:
                 progress.lane = lane
                 context.add_callback(lane.interrupt)  # a call that ends (its client gone) ends its lane too
         yield _pull_header(claim, request.shard, offer)
-        frames = progress.lane.open(self.idle_timeout, claim.nbytes, "pull") if progress.lane is not None else None
+        frames = progress.lane.open(self._opening_timeout, claim.nbytes, "pull") if progress.lane is not None else None
         fed = 0
         while True:
             chunks, digest = self.store.feed(claim, fed, _wait_budget(context))
