@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.only and name not in args.only:
             continue
         figures = module.main(passed)
-        merged = {**figures, "notes": sorted({*merged.get("notes", []), *figures["notes"]}), **merged}
-        merged[name] = figures[name]
+        notes = sorted({*merged.get("notes", []), *figures["notes"]})
+        merged = {**figures, **merged, name: figures[name], "notes": notes}  # (the first one's machine and quick)
     if args.json:
         Path(args.json).write_text(json.dumps(merged, indent=2))
     return merged
