@@ -15,6 +15,17 @@ short of room, is refused as BROKER_BUSY or CAPACITY_EXHAUSTED). Every refusal i
 
 A stream that sends nothing is ended by the `Watchdog` (watchdog.py) after `--idle-timeout`: it cannot pin a
 thread by silence, before its header or after.
+
+The principle, here and in the ledger (ledger.py): every resource a call can make the broker hold is charged, at the
+edge, to that call's admission slot or its ledger reservation, and is released exactly once, when the call ends,
+however it ends. A slot stands for a worker thread, so it is held exactly as long as the call may hold one: a push's
+while its handler runs; a pull's until its call has ended and no thread runs its handler (`HeldWhileRunning`), so
+a thread still asleep in a lane's opening is never counted free. A thread waiting for its lane's connections waits
+at most the opening deadline (handoff_client._lane.OPENING_TIMEOUT) and is woken the moment its call ends
+(`LaneListener.forget`). A connection that is no call's yet (an opening) holds no slot: the lane listener holds at
+most 64, each at most the opening deadline, shared fairly by source (server/lanes.py). Bytes, chunks, frame buffers,
+rings and HTTP/2 windows: the ledger's reservation, or a bound a call (docs/lanes.md, "Every resource a call can
+make the broker hold", lists each: charged where, released where).
 """
 
 from __future__ import annotations

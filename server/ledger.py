@@ -7,6 +7,11 @@ Every charge belongs to a `Reservation` (one per entry, one per tensor-parallel 
 gives back exactly what it holds, once, however many paths end it. The totals are asserted never negative and
 never past their bounds, after every change: an accounting slip fails loudly where it happens instead of leaking
 room or letting memory past `--max-bytes`. Used under the store's lock (it has none of its own).
+
+One half of the principle the broker is built on (the other: admission.py, for threads and the lanes' openings):
+every resource a call can make the broker hold is charged, at the edge, to its call's admission slot or to a ledger
+reservation here, and released exactly once however the call ends (docs/lanes.md lists each, charged where,
+released where).
 """
 
 from __future__ import annotations
