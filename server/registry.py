@@ -25,6 +25,8 @@ from handoff_client._etcd import b64, etcd_call, parse_etcd_url
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 5
+STILL_OUT_EVERY = 10.0
+"""Seconds between the warnings of a broker still out of its fleet (it tries every third of its lease)."""
 START_TIMEOUT = 3.0
 """Seconds the first registration's calls may take (an etcd just started may still be electing its leader)."""
 
@@ -54,6 +56,7 @@ class EtcdRegistration:
         self._lease: str | None = None
         self._renewed = 0.0  # (time.monotonic() when the last answered keepalive or grant was asked)
         self._out_since = 0.0
+        self._said = 0.0  # (seconds out when "still out" was last logged)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -115,7 +118,7 @@ class EtcdRegistration:
             self._lapsed("etcd answered the keepalive without a TTL")
 
     def _lapsed(self, why: str) -> None:
-        self._out_since = time.monotonic()
+        self._out_since, self._said = time.monotonic(), -STILL_OUT_EVERY
         self._set(False)
         logger.warning("out of the fleet: the etcd lease of %s lapsed (%s, lease %ss); registering again",
                        self.key, why, self.ttl)  # fmt: skip
@@ -124,8 +127,10 @@ class EtcdRegistration:
         try:
             self._register()
         except (OSError, KeyError, ValueError) as e:
-            logger.warning("still out of the fleet after %.1f s: etcd at %s: %s",
-                           time.monotonic() - self._out_since, self.endpoint, e)  # fmt: skip
+            out = time.monotonic() - self._out_since
+            if out >= self._said + STILL_OUT_EVERY:  # (once in a while, not every try)
+                self._said = out
+                logger.warning("still out of the fleet after %.1f s: etcd at %s: %s", out, self.endpoint, e)
             return
         logger.warning("registered again as %s in etcd at %s after %.1f s out of the fleet (lease %ss)",
                        self.key, self.endpoint, time.monotonic() - self._out_since, self.ttl)  # fmt: skip
