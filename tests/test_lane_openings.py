@@ -189,3 +189,23 @@ def test_a_broker_out_of_descriptors_rests_its_lane_listener_instead_of_spinning
             sock.close()
         broker.terminate()
         broker.wait(timeout=30)
+
+
+def test_a_pipelined_pull_whose_lane_cannot_be_reached_goes_on_the_stream_within_the_same_call(start_broker, caplog):
+    """`pull_tensors` (the vLLM connector's pull) from a client that cannot reach the broker's TCP lane: the pull is
+    made again on the stream within the same call, naming its claim, and yields every tensor, instead of failing
+    (which cost the connector a recompute of the prompt)."""
+    broker = start_broker(contracts={"large": LARGE}, idle_timeout=IDLE, lane_advertise_host="127.0.0.2", **TCP_ONLY)
+    tensors = seeded_tensors(LARGE)
+    with HandoffClient(broker.address, lanes=False) as pusher, HandoffClient(broker.address) as puller:
+        pusher.push("large", "r", 1, tensors)
+        started = time.monotonic()
+        pulled = puller.pull_tensors("large", "r", timeout=IDLE)
+        got = {carried.name: array.copy() for carried, array in pulled}
+        assert time.monotonic() - started < 3
+        assert pulled.left_its_lane
+        assert_same_bits(got, tensors)
+        assert_same_bits(pulled.handoff.state, tensors)
+    fallbacks = [r.getMessage() for r in caplog.records if getattr(r, "lane_fallback", False)]
+    assert len(fallbacks) == 1 and "127.0.0.2" in fallbacks[0], fallbacks
+    assert_holds_nothing(broker)
