@@ -20,7 +20,7 @@ import pytest
 from conftest import seeded_tensors
 from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from handoff_broker import cli
+from handoff_broker import cli, flag_sources
 from handoff_client import HandoffClient, HandoffError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +152,7 @@ def test_settings_come_from_a_toml_file_below_the_environment_and_the_command_li
 
     def parsed(*argv: str):
         parser = cli.build_parser()
-        cli._apply_config_file(parser, list(argv))
+        flag_sources.apply_config_file(parser, list(argv))
         return parser.parse_args(list(argv))
 
     args = parsed("serve", "--config", str(settings), "--lease", "4")
