@@ -22,6 +22,7 @@ from handoff_client._errors import (
     Draining,
     FingerprintMismatch,
     HandoffCancelled,
+    HandoffError,
     HandoffExists,
     HandoffGone,
     MalformedRequest,
@@ -75,13 +76,19 @@ class Intake:
         h = self.h
         whole = h.contract(model)
         check_id(model, handoff_id)
-        if not (math.isfinite(ttl) and 0.0 <= ttl):
-            raise MalformedRequest(f"ttl_seconds must be a finite number of seconds >= 0, got {ttl!r}", model)
-        if fingerprint != whole.fingerprint:
-            raise FingerprintMismatch(model, whole.fingerprint, fingerprint)
-        filled = whole.at(position)  # (PositionOutOfRange when position >= ctx)
-        contract = view(filled, shard, pushing=True)
         user_key = (model, handoff_id)
+        try:
+            if not (math.isfinite(ttl) and 0.0 <= ttl):
+                raise MalformedRequest(f"ttl_seconds must be a finite number of seconds >= 0, got {ttl!r}", model)
+            if fingerprint != whole.fingerprint:
+                raise FingerprintMismatch(model, whole.fingerprint, fingerprint)
+            filled = whole.at(position)  # (PositionOutOfRange when position >= ctx)
+            contract = view(filled, shard, pushing=True)
+        except HandoffError as refused:
+            if shard.whole and not resume:
+                with h.lock:
+                    self._refused(user_key, position, refused)
+            raise
         key = user_key if shard.whole else part_key(user_key, "push", shard)
         if resume:
             return self.resume(contract, key, user_key, position, interrupt)
@@ -105,9 +112,8 @@ class Intake:
                     remaining = deadline - h.clock()
                     if remaining <= 0 or contract.nbytes > h.config.max_bytes:
                         refused = CapacityExhausted(model, contract.nbytes, free, h.config.max_bytes)
-                        if shard.whole and user_key not in h.tombstones and user_key not in h.entries:
-                            h.bury(user_key, "aborted", 0, "", position, f"refused {refused.reason}: {refused.message}")
-                            h.changed.notify_all()  # a puller waiting for it hears so at once
+                        if shard.whole:
+                            self._refused(user_key, position, refused)
                         raise refused
                     if not is_active():
                         raise CallCancelled(
@@ -134,6 +140,15 @@ class Intake:
                 return session
         finally:
             run_interrupts(interrupts)
+
+    def _refused(self, user_key: HandoffKey, position: int, refused: HandoffError) -> None:
+        """Under the lock: a whole push refused at its header, for an id nothing is held of, leaves an aborted
+        tombstone, so that a puller waiting for it (the vLLM producer hands out its ticket before its push commits)
+        hears PUSH_ABORTED and why at once; a later push of the id replaces it."""
+        h = self.h
+        if user_key not in h.tombstones and user_key not in h.entries and user_key not in h.groups:
+            h.bury(user_key, "aborted", 0, "", position, f"refused {refused.reason}: {refused.message}")
+            h.changed.notify_all()
 
     def _meet_held(
         self,

@@ -47,3 +47,26 @@ def test_a_pull_waiting_for_a_push_refused_for_room_hears_why_at_once(start_brok
     assert isinstance(error, PushAborted) and "CAPACITY_EXHAUSTED" in error.message, error
     assert time.monotonic() - started < 5, "the pull waited for a push that was refused"
     assert_holds_nothing(broker)
+
+
+def test_a_pull_waiting_for_a_push_refused_at_its_header_hears_why_at_once(broker, contracts):
+    """A push from a producer that holds another contract (FINGERPRINT_MISMATCH) is refused before anything is held:
+    the decoder waiting for it is told at once, and why; the right push is then taken and pulled."""
+    contract = contracts[DEMO]
+    tensors = seeded_tensors(contract)
+    outcome: list[object] = []
+    with HandoffClient(broker.address) as puller:
+        waiting = threading.Thread(target=lambda: outcome.append(raises_handoff_error(puller.pull, DEMO, "r",
+                                                                                      timeout=PATIENT)))  # fmt: skip
+        started = time.monotonic()
+        waiting.start()
+        time.sleep(0.5)
+        refused = raises_handoff_error(raw_push, broker.address, [header_frame(contract, "r", fingerprint="f" * 64)])
+        assert refused.reason == "FINGERPRINT_MISMATCH"
+        waiting.join(PATIENT + 5)
+        (error,) = outcome
+        assert isinstance(error, PushAborted) and "FINGERPRINT_MISMATCH" in error.message, error
+        assert time.monotonic() - started < 5, "the pull waited for a push that was refused"
+        puller.push(DEMO, "r", 1, tensors)
+        assert_same_bits(puller.pull(DEMO, "r").state, tensors)
+    assert_holds_nothing(broker)
