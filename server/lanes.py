@@ -133,6 +133,7 @@ class LaneListener:
         self._lock = threading.Lock()
         self._wake_reader, self._wake_writer = socket.socketpair()  # a registration wakes the reading thread
         self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)  # a call never waits on the reading thread: a full buffer is awake already
         self._openings: dict[socket.socket, _Opening] = {}  # touched by the reading thread only
         self._resting_until: float | None = None  # ... as are these: the listeners rest, out of descriptors
         self._rest = ACCEPT_REST[0]

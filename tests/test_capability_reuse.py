@@ -4,6 +4,8 @@ as a strict expected failure until the keys take the broker's own randomness: it
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from handoff_broker.lanes import VOIDED_REMEMBERED, LaneListener
 from handoff_client._lane import new_capability
@@ -22,5 +24,18 @@ def test_a_capability_is_never_taken_again_however_many_calls_came_between():
             lanes.forget(lanes.expect(new_capability()))
         with pytest.raises(ValueError):  # ... and later: it would key a sealed lane exactly as before
             lanes.expect(first)
+    finally:
+        lanes.close()
+
+
+def test_registering_and_forgetting_capabilities_never_waits_on_the_listeners_reading_thread():
+    """Each registration and each forget wakes the thread that reads openings, through a socket pair: written
+    blocking, a few hundred wakes that thread had not yet read made the next call's thread wait for it."""
+    lanes = LaneListener(("127.0.0.1", 0), sealed=True)  # (its reading thread not started: nothing reads the wakes)
+    try:
+        started = time.monotonic()
+        for _ in range(2000):
+            lanes.forget(lanes.expect(new_capability()))
+        assert time.monotonic() - started < 10
     finally:
         lanes.close()
