@@ -11,10 +11,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from grpc_status import rpc_status
-from google.rpc import error_details_pb2
-
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from handoff_client import (
     AlreadyClaimed,
     BrokerUnavailable,
@@ -354,7 +353,7 @@ def test_a_broken_resumable_push_is_kept_unseen_for_the_resume_window_then_freed
         break_a_resumable_push(broker, client, channel, contract, tensors, gate, after=4)
         kept = client.push_progress(DEMO, "r")
         assert not kept.complete and kept.position == 1
-        assert [t.tensor for t in kept.tensors][0] == contract.carried[0].name
+        assert kept.tensors[0].tensor == contract.carried[0].name
         with pytest.raises(WaitTimedOut):
             client.pull(DEMO, "r", timeout=0.2)  # unseen
         wait_until(lambda: broker.store.stats().receiving == 0)  # the window passed: freed
