@@ -209,3 +209,30 @@ def test_a_pipelined_pull_whose_lane_cannot_be_reached_goes_on_the_stream_within
     fallbacks = [r.getMessage() for r in caplog.records if getattr(r, "lane_fallback", False)]
     assert len(fallbacks) == 1 and "127.0.0.2" in fallbacks[0], fallbacks
     assert_holds_nothing(broker)
+
+
+def still_open(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) != b""  # (nothing is ever sent to an opening: data here would be a bug)
+    except BlockingIOError:
+        return True
+    except ConnectionResetError:
+        return False
+
+
+def test_a_source_flooding_the_lane_port_takes_only_its_own_openings_places(start_broker):
+    """A few idle connections from one address, then a flood from another, past the 64 openings the broker reads at
+    once: each newcomer takes the place of the flooding source's oldest, so the other source keeps its own until
+    the opening deadline. No source holds more than its share of the openings."""
+    broker = start_broker(contracts={"large": LARGE}, idle_timeout=IDLE, **TCP_ONLY)
+    with HandoffClient(broker.address) as client:
+        port = client.lane().port
+    few = [socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.4", 0)) for _ in range(8)]
+    flood = [socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.3", 0)) for _ in range(80)]
+    try:
+        assert settles(lambda: sum(not still_open(s) for s in flood) >= len(few) + len(flood) - MAX_OPENINGS)
+        assert all(still_open(s) for s in few)
+    finally:
+        for sock in few + flood:
+            sock.close()
