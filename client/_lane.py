@@ -4,8 +4,8 @@ docs/lanes.md is the specification (for an implementer in another language); thi
 the broker alike. The TCP lane, in short (all integers little-endian):
 
     opening   the client connects, sends MAGIC (8 bytes) and the call's capability (32 bytes); the broker answers
-              one byte, READY, once the call is ready for the bytes, or closes the connection (the call's status
-              says why)
+              one byte, READY, once the call is ready for the bytes (on a sealed lane followed by its salt for the
+              keys, _seal.py), or closes the connection (the call's status says why)
     frames    one way only (pusher → broker, broker → puller): a 20-byte header, then `length` bytes of tensor data
                   u32 index    the tensor's index in the contract's carried list (of the call's view: the filled
                                contract at the position, cut to the shard for a sharded call)
@@ -103,9 +103,10 @@ def connection_capabilities(capability: bytes, connections: int) -> list[bytes]:
     return [capability] + [hkdf_sha256(capability, f"{INFO}connection {k}".encode()) for k in range(1, connections)]
 
 
-def hkdf_sha256(secret: bytes, info: bytes) -> bytes:
-    """HKDF-SHA256 (RFC 5869) of `secret`, no salt, 32 bytes: one block, so Extract then one HMAC of Expand."""
-    prk = hmac.new(bytes(32), secret, hashlib.sha256).digest()
+def hkdf_sha256(secret: bytes, info: bytes, salt: bytes = bytes(32)) -> bytes:
+    """HKDF-SHA256 (RFC 5869) of `secret`, 32 bytes: one block, so Extract then one HMAC of Expand. The default salt,
+    32 zero bytes, is RFC 5869's "no salt"."""
+    prk = hmac.new(salt, secret, hashlib.sha256).digest()
     return hmac.new(prk, info + b"\x01", hashlib.sha256).digest()
 
 

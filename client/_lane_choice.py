@@ -10,7 +10,7 @@ from functools import cache
 from ._lane import Frames, StripedFrames, TcpFrames, connection_capabilities, lane_host, open_lanes
 from ._proto import handoff_pb2 as pb
 from ._ring import host_id, open_ring_lane
-from ._seal import SealedFrames, sealed_opening, sealing_available
+from ._seal import SealedFrames, receive_salt, sealed_opening, sealing_available
 
 logger = logging.getLogger(__name__)
 
@@ -26,13 +26,18 @@ def choose(
     """The lane for a hand-off of `nbytes` (None: whichever a large one would take, as a pull asks before it knows
     the size): the shared-memory lane if `shared_memory` is allowed, it is offered on this host and the hand-off is
     at least its min_bytes, else the TCP lane if `tcp` is allowed and the hand-off is at least that one's; None for
-    the streams, or when the TCP lane is sealed and this process cannot seal."""
+    the streams, or when the TCP lane is sealed and this process cannot seal it (no `cryptography` here, or a
+    sealing it does not know: a broker of 0.1, whose keys lacked its salt, `Lane.salted_keys`)."""
     by_kind = {offer.kind: offer for offer in offers}
     shm = by_kind.get(pb.LANE_KIND_SHM)
     on_this_host = shm is not None and shm.host_id != "" and shm.host_id == _this_host()
     tcp_lane = by_kind.get(pb.LANE_KIND_TCP) if tcp else None
-    if tcp_lane is not None and tcp_lane.sealing != pb.LANE_SEALING_NONE and not sealing_available():
-        tcp_lane = None  # a TLS broker's sealed TCP lane, and no `cryptography` here: the streams
+    if (
+        tcp_lane is not None
+        and tcp_lane.sealing != pb.LANE_SEALING_NONE
+        and not (tcp_lane.sealing == pb.LANE_SEALING_AES_256_GCM and tcp_lane.salted_keys and sealing_available())
+    ):
+        tcp_lane = None  # a TLS broker's sealed TCP lane that this process cannot seal as it asks: the streams
     for lane in (shm if shared_memory and on_this_host else None, tcp_lane):
         if lane is not None and (nbytes is None or nbytes >= lane.min_bytes):
             return lane
@@ -77,13 +82,19 @@ def open_frames(
         return open_ring_lane(lane.path, capability, timeout, call_ended)
     host = lane_host(lane.host, target)
     capabilities = connection_capabilities(capability, connections)
-    sealed = lane.sealing == pb.LANE_SEALING_AES_256_GCM
+    sealed = lane.sealing != pb.LANE_SEALING_NONE  # (`choose` takes no sealing but AES_256_GCM with salted keys)
     # A sealed lane is opened with a value derived from each connection's capability, never the capability itself.
     openings = [sealed_opening(c) for c in capabilities] if sealed else capabilities
     socks = open_lanes(host, lane.port, openings, timeout, call_ended)
-    parts: list[Frames] = [
-        SealedFrames(sock, c, direction) if sealed else TcpFrames(sock) for sock, c in zip(socks, capabilities)
-    ]
+    try:  # (a sealed connection's READY is followed by the broker's salt for its keys)
+        parts: list[Frames] = [
+            SealedFrames(sock, c, direction, receive_salt(sock)) if sealed else TcpFrames(sock)
+            for sock, c in zip(socks, capabilities)
+        ]
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
     return parts[0] if len(parts) == 1 else StripedFrames(parts)
 
 

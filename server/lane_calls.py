@@ -27,7 +27,7 @@ from handoff_client._lane import (
 )
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._ring import RingFrames, host_id, map_ring, new_ring, offer_ring, ring_bytes
-from handoff_client._seal import SealedFrames
+from handoff_client._seal import SealedFrames, new_salt
 
 from .entries import StoredChunk
 from .lanes import Expected, LaneListener
@@ -82,13 +82,18 @@ class LaneCall:
             if sock.family == socket.AF_UNIX:
                 raise LaneBroken(self.model, f"connection {len(socks) - 1} of the lane's {len(self._expected)} came "
                                  "on the shared-memory lane: a striped lane's connections are all TCP")  # fmt: skip
+        # A sealed connection's keys take a salt drawn afresh here, sent after READY: no two connections share a key,
+        # even two whose client presented one capability twice (handoff_client/_seal.py).
+        salts = [new_salt() if self._lanes.sealed else b"" for _ in socks]
         try:
-            for sock in socks:
-                sock.sendall(READY)
+            for sock, salt in zip(socks, salts):
+                sock.sendall(READY + salt)
         except OSError as e:
             raise LaneBroken(self.model, f"the lane closed before it was ready: {e}") from None
         if self._lanes.sealed:
-            parts: list[Frames] = [SealedFrames(s, w.capability, direction) for s, w in zip(socks, self._expected)]
+            parts: list[Frames] = [
+                SealedFrames(s, w.capability, direction, salt) for s, w, salt in zip(socks, self._expected, salts)
+            ]
         else:
             parts = [TcpFrames(s) for s in socks]
         return self._opened(parts[0] if len(parts) == 1 else StripedFrames(parts))
@@ -147,7 +152,7 @@ def lane_offers(lanes: LaneListener, tcp_min_bytes: int, shm_min_bytes: int, max
         sealing = pb.LANE_SEALING_AES_256_GCM if lanes.sealed else pb.LANE_SEALING_NONE
         offers.append(pb.Lane(kind=pb.LANE_KIND_TCP, host=lanes.advertise_host, port=lanes.port,
                               min_bytes=tcp_min_bytes, sealing=sealing, max_connections=lanes.max_connections,
-                              max_frame_bytes=max_frame_bytes))  # fmt: skip
+                              max_frame_bytes=max_frame_bytes, salted_keys=lanes.sealed))  # fmt: skip
     if lanes.socket_path is not None:
         offers.append(pb.Lane(kind=pb.LANE_KIND_SHM, path=lanes.socket_path, host_id=host_id(),
                               min_bytes=shm_min_bytes, max_frame_bytes=max_frame_bytes))  # fmt: skip

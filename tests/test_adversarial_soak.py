@@ -23,7 +23,7 @@ from handoff_client._contract import Carried, Contract
 from handoff_client._errors import from_rpc_error
 from handoff_client._lane import FRAME, new_capability, open_lane
 from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._seal import lane_key, sealed_opening
+from handoff_client._seal import lane_key, receive_salt, sealed_opening
 from handoff_client._wire import decode_pull_response, identity, method_path
 
 MiB = 1 << 20
@@ -108,8 +108,8 @@ class Soak:
                 call = push.future(iter([pb.PushRequest(header=header).SerializeToString()]), timeout=10)
                 try:
                     with open_lane("127.0.0.1", port, sealed_opening(capability), timeout=5) as lane:
-                        sealed = AESGCM(lane_key(capability, "push")).encrypt(bytes(12), FRAME.pack(0, 0, 8 * MiB, 0),
-                                                                              None)  # fmt: skip
+                        key = lane_key(capability, "push", receive_salt(lane))  # (the broker's salt follows READY)
+                        sealed = AESGCM(key).encrypt(bytes(12), FRAME.pack(0, 0, 8 * MiB, 0), None)
                         lane.sendall(sealed + b"x" * 100)
                         self.stop.wait(1.0)
                 except OSError as e:

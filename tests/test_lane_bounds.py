@@ -18,7 +18,7 @@ from handoff_client._errors import from_rpc_error
 from handoff_client._lane import FRAME, LaneClosed, new_capability, open_lane
 from handoff_client._proto import handoff_pb2 as pb
 from handoff_client._ring import MAX_RING_BYTES, RING_BYTES, map_ring, new_ring, ring_bytes
-from handoff_client._seal import lane_key, sealed_opening
+from handoff_client._seal import lane_key, receive_salt, sealed_opening
 from handoff_client._wire import identity, method_path
 
 MiB = 1 << 20
@@ -63,7 +63,8 @@ def test_sealed_frame_headers_that_lie_about_their_length_make_the_broker_hold_o
                 capability = new_capability()
                 calls[contract.model].append(push_call(client, contract, f"lie-{n}", capability))
                 lane = open_lane("127.0.0.1", port, sealed_opening(capability), timeout=30)
-                header = AESGCM(lane_key(capability, "push")).encrypt(bytes(12), FRAME.pack(0, 0, 64 * MiB, 0), None)
+                key = lane_key(capability, "push", receive_salt(lane))  # (the broker's salt follows READY)
+                header = AESGCM(key).encrypt(bytes(12), FRAME.pack(0, 0, 64 * MiB, 0), None)
                 lane.sendall(header + b"x" * 100)  # (message 0's nonce is 12 zero bytes)
                 lanes.append(lane)
         for call in calls[TINY.model]:  # refused at once, naming the tensor and its size

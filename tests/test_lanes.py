@@ -32,7 +32,7 @@ from handoff_client._lane import (
 )
 from handoff_client._lane_choice import frame_bytes
 from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._seal import SealedFrames, sealed_opening
+from handoff_client._seal import SealedFrames, receive_salt, sealed_opening
 from lane_wire import (
     LARGE,
     TCP_ONLY,
@@ -169,10 +169,12 @@ def test_under_tls_the_tcp_lane_is_sealed_and_no_byte_of_the_hand_off_crosses_it
         with HandoffClient(broker.address, **options) as client:
             lane = client.lane()
             assert lane.sealing == (pb.LANE_SEALING_AES_256_GCM if options else pb.LANE_SEALING_NONE)
+            assert lane.salted_keys == bool(options)  # each sealed connection keyed anew by the broker's salt
             tap = Proxy(lane.port, record=True)
             try:
                 client._lane_offers = [pb.Lane(kind=lane.kind, host="127.0.0.1", port=tap.port,
-                                               min_bytes=lane.min_bytes, sealing=lane.sealing)]  # fmt: skip
+                                               min_bytes=lane.min_bytes, sealing=lane.sealing,
+                                               salted_keys=lane.salted_keys)]  # fmt: skip
                 client.push("large", "r", 1, marked)
                 assert_same_bits(client.pull("large", "r").state, marked)
             finally:
@@ -222,7 +224,7 @@ def test_a_lane_opened_before_its_call_registered_the_capability_waits_for_it(st
         time.sleep(0.5)  # the opening is in before the header is sent
         call = push_call(client, "r", capability)
         sock = lane.result()
-        frames = SealedFrames(sock, capability, "push") if sealed else TcpFrames(sock)
+        frames = SealedFrames(sock, capability, "push", receive_salt(sock)) if sealed else TcpFrames(sock)
         for index, offset, data in lane_frames(tensors):
             frames.send(index, offset, data, crc32c(data))
         frames.end()

@@ -341,7 +341,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Lane(_message.Message):
-    __slots__ = ("kind", "host", "port", "min_bytes", "path", "host_id", "sealing", "max_connections", "max_frame_bytes")
+    __slots__ = ("kind", "host", "port", "min_bytes", "path", "host_id", "sealing", "max_connections", "max_frame_bytes", "salted_keys")
     KIND_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,7 @@ class Lane(_message.Message):
     SEALING_FIELD_NUMBER: _ClassVar[int]
     MAX_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SALTED_KEYS_FIELD_NUMBER: _ClassVar[int]
     kind: LaneKind
     host: str
     port: int
@@ -360,7 +361,8 @@ class Lane(_message.Message):
     sealing: LaneSealing
     max_connections: int
     max_frame_bytes: int
-    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[str] = ..., sealing: _Optional[_Union[LaneSealing, str]] = ..., max_connections: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+    salted_keys: bool
+    def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[str] = ..., sealing: _Optional[_Union[LaneSealing, str]] = ..., max_connections: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., salted_keys: _Optional[bool] = ...) -> None: ...
 
 class LanesRequest(_message.Message):
     __slots__ = ()
