@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Self, TypeVar
 
 import grpc
@@ -45,7 +44,7 @@ from ._lane import MAX_CONNECTIONS, new_capability
 from ._lane_choice import choose, connections_for
 from ._proto import handoff_pb2 as pb
 from ._pulls import PullAttempts, PulledTensors, destinations
-from ._pushes import PushAttempts
+from ._pushes import PushAttempts, PushResult
 from ._shards import Shard, as_shard, view
 from ._status import BrokerStatus
 from ._wire import contract_from_proto, decode_pull_response, identity, message_classes, method_path, shard_to_proto
@@ -72,19 +71,6 @@ LANE_RETRY_AFTER = 60.0
 attempt and a retry, and a broker that restarts on the same address is back within that."""
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """What the broker holds after a push."""
-
-    handoff_id: str
-    bytes: int
-    chunks: int
-    digest: str
-    duplicate: bool
-    ticket: str = ""
-    """Names the broker that holds the hand-off: pass it to the decoder, whose pull goes straight there."""
 
 
 class HandoffClient:

@@ -5,6 +5,7 @@ keep — and the chunks each attempt sends."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -21,6 +22,20 @@ from ._wire import shard_to_proto
 
 if TYPE_CHECKING:
     from ._client import HandoffClient
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What the broker holds after a push."""
+
+    handoff_id: str
+    bytes: int
+    chunks: int
+    digest: str
+    duplicate: bool
+    ticket: str = ""
+    """Names the broker that holds the hand-off: pass it to the decoder, whose pull goes straight there."""
+
 
 Held = dict[str, list[tuple[int, int]]] | None
 """Byte ranges of each tensor the broker already holds of a push being resumed (None: a whole push)."""

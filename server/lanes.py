@@ -23,7 +23,6 @@ import selectors
 import shutil
 import socket
 import stat
-import struct
 import tempfile
 import threading
 import time
@@ -32,6 +31,8 @@ from dataclasses import dataclass, field
 
 from handoff_client._lane import CAPABILITY_BYTES, MAGIC, OPENING_TIMEOUT, tune
 from handoff_client._seal import sealed_opening
+
+from . import sockets
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class LaneListener:
             if tcp is not None:
                 host, port = tcp
                 try:
-                    listener = socket.create_server((host, port), family=_family(host), backlog=128)
+                    listener = socket.create_server((host, port), family=sockets.family(host), backlog=128)
                 except OSError as e:
                     raise OSError(
                         f"cannot listen for the TCP lane (--lane-port) on {host}:{port}: {e.strerror or e}"
@@ -146,7 +147,7 @@ class LaneListener:
         if not path:
             self._own_directory = tempfile.mkdtemp(prefix="handoff-broker-")  # (mode 0700)
             path = os.path.join(self._own_directory, "lane.sock")
-        elif _stale_socket(path):
+        elif sockets.stale_socket(path):
             os.unlink(path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -162,7 +163,7 @@ class LaneListener:
     def _unlisten(self) -> None:
         for listener in self._listeners:
             listener.close()
-        if self.socket_path is not None and _stale_socket(self.socket_path):
+        if self.socket_path is not None and sockets.stale_socket(self.socket_path):
             os.unlink(self.socket_path)
         if self._own_directory is not None:
             shutil.rmtree(self._own_directory, ignore_errors=True)
@@ -209,7 +210,7 @@ class LaneListener:
         waiting.arrived.set()  # a handler waiting for the lane is let go now, with nothing (its call has ended)
         self._wake()  # an opening that presented it is closed at once
         if sock is not None:
-            _close(sock)
+            sockets.close(sock)
 
     def _void(self, capability: bytes) -> None:
         """Under the lock: remember the capability as used, so an opening presenting it again is closed at once."""
@@ -247,12 +248,12 @@ class LaneListener:
                     if key.data == "listener":
                         self._accept(selector, key.fileobj)  # type: ignore[arg-type]
                     elif key.fileobj is self._wake_reader:
-                        _drain(self._wake_reader)
+                        sockets.drain(self._wake_reader)
                     else:
                         self._read(selector, self._openings[key.fileobj])  # type: ignore[index]
                 self._settle(selector)
             for opening in list(self._openings.values()):
-                _close(opening.sock)
+                sockets.close(opening.sock)
 
     def _accept(self, selector: selectors.BaseSelector, listener: socket.socket) -> None:
         while True:
@@ -265,14 +266,14 @@ class LaneListener:
                 self._rest_listeners(selector, e)
                 return
             if sock.family == socket.AF_UNIX:
-                pid, uid = _peer(sock)
+                pid, uid = sockets.peer(sock)
                 if uid != os.geteuid():
                     logger.warning("a shared-memory lane connection from user %s, not the broker's: closed", uid)
-                    _close(sock)
+                    sockets.close(sock)
                     continue
                 source = f"process {pid}"
             else:
-                source = _address(sock)
+                source = sockets.address(sock)
             if len(self._openings) >= MAX_OPENINGS:
                 self._make_room(selector)
             sock.setblocking(False)
@@ -354,57 +355,4 @@ class LaneListener:
         if opening.sock in selector.get_map():
             selector.unregister(opening.sock)
         del self._openings[opening.sock]
-        _close(opening.sock)
-
-
-def _peer(sock: socket.socket) -> tuple[int, int]:
-    """The process and the user at the other end of a Unix socket (as the kernel saw it connect)."""
-    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return pid, uid
-
-
-def _address(sock: socket.socket) -> str:
-    """The peer's address (without its port) of a TCP connection: the source whose openings are counted together."""
-    try:
-        return str(sock.getpeername()[0])
-    except OSError:  # gone already
-        return "?"
-
-
-def _stale_socket(path: str) -> bool:
-    """A socket file at `path` that nothing listens on any more."""
-    try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            return False
-    except FileNotFoundError:
-        return False
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-        return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
-
-
-def _drain(sock: socket.socket) -> None:
-    try:
-        while sock.recv(4096):
-            pass
-    except (BlockingIOError, InterruptedError, OSError):
-        pass
+        sockets.close(opening.sock)

@@ -40,8 +40,9 @@ from .lane_calls import (
 )
 from .lanes import LaneListener
 from .metrics import Metrics
+from .pull_stream import PullProgress, pull_header
 from .rpc import mapped, mapped_stream
-from .store import Claim, Store
+from .store import Store
 from .watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -227,7 +228,7 @@ class HandoffBrokerServicer:
     @mapped_stream
     def PullHandoff(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         authorize_model(request.model)
-        progress = _Progress()
+        progress = PullProgress()
         # The stream slot is held while the call may hold a thread: given back once the call has ended and no thread
         # runs its handler (a generator grpcio abandons mid-send is closed only when collected), never before.
         held = HeldWhileRunning(
@@ -240,7 +241,7 @@ class HandoffBrokerServicer:
         return held
 
     def _pull_stream(
-        self, request: pb.PullRequest, context: grpc.ServicerContext, progress: _Progress
+        self, request: pb.PullRequest, context: grpc.ServicerContext, progress: PullProgress
     ) -> Iterator[bytes]:
         try:
             if self.lanes is not None and request.lane_capability:  # checked now; registered if a lane is offered
@@ -250,7 +251,7 @@ class HandoffBrokerServicer:
             if progress.lane is not None:
                 progress.lane.close()
 
-    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext, progress: _Progress) -> Iterator[bytes]:
+    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext, progress: PullProgress) -> Iterator[bytes]:
         if not (math.isfinite(request.wait_seconds) and request.wait_seconds >= 0):
             raise MalformedRequest(f"wait_seconds must be finite and >= 0, got {request.wait_seconds!r}", request.model)
         wait = _wait_budget(context)
@@ -306,7 +307,7 @@ class HandoffBrokerServicer:
                 lane = LaneCall(self.lanes, request.lane_capability, request.model, request.lane_connections)
                 progress.lane = lane
                 context.add_callback(lane.interrupt)  # a call that ends (its client gone) ends its lane too
-        yield _pull_header(claim, request.shard, offer)
+        yield pull_header(claim, request.shard, offer)
         frames = progress.lane.open(self._opening_timeout, claim.nbytes, "pull") if progress.lane is not None else None
         fed = 0
         while True:
@@ -382,30 +383,3 @@ class HandoffBrokerServicer:
             if held
         ]
         return pb.PushProgress(tensors=tensors, complete=committed, position=position)
-
-
-class _Progress:
-    """A pull's stream as its handler and its interrupt see it."""
-
-    __slots__ = ("ending", "held", "lane", "sent_all")
-
-    def __init__(self) -> None:
-        self.ending = False  # the stream's end is being sent
-        self.sent_all = False  # ... and was
-        self.lane: LaneCall | None = None  # its lane, once the header offers one (a large enough hand-off)
-        self.held: HeldWhileRunning[bytes] | None = None  # its stream slot, held while a thread runs the call
-
-
-def _pull_header(claim: Claim, shard: pb.Shard, lane: pb.Lane | None) -> bytes:
-    header = pb.PullHeader(
-        shard=shard,
-        model=claim.model,
-        handoff_id=claim.handoff_id,
-        position=claim.position,
-        fingerprint=claim.fingerprint,
-        claim=claim.generation,
-        bytes=claim.nbytes,
-        chunks=claim.chunks,
-        lane=lane,
-    )
-    return pb.PullResponse(header=header).SerializeToString()
