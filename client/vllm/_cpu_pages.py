@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ._layouts import Geometry, PageLayout, UnsupportedLayout
+from ._layouts import Geometry, PageLayout, UnsupportedLayout, kernel_block_ids
 
 
 class PermutedLayout(PageLayout):
@@ -56,6 +56,35 @@ class CpuAttnVecLayout(PageLayout):
         index = torch.tensor(ids, dtype=torch.long, device=pages.device)
         keys, values = self._views(pages[index])
         return keys.contiguous(), values.contiguous()
+
+    def scatter(
+        self, pages: torch.Tensor, block_ids: list[int], first: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """In place: each kernel block's share of tokens [first, first + len(keys)) is written through that block's
+        own strided key and value views, one pass over the rows, where the base class copies every block it touches
+        out of the pages and back (the scatter was half of a decode's load time: docs/performance.md). Pages whose
+        blocks cannot be viewed so (strides of another physical layout) take the base class's copying path."""
+        end = first + keys.shape[0]
+        if end == first:
+            return
+        g = self.geometry
+        ids = kernel_block_ids(g, block_ids)
+        keys = keys.to(pages.dtype).reshape(-1, g.kv_heads, g.head_dim)
+        values = values.to(pages.dtype).reshape(-1, g.kv_heads, g.head_dim)
+        try:
+            views = [
+                self._views(pages[ids[b]].view(1, -1)) for b in range(first // g.kernel, math.ceil(end / g.kernel))
+            ]
+        except RuntimeError:  # a block's elements are not one contiguous run: no view of them as the kernel's order
+            super().scatter(pages, block_ids, first, keys.reshape(len(keys), -1), values.reshape(len(values), -1))
+            return
+        row = first
+        for key_view, value_view in views:
+            offset = row % g.kernel
+            stop = min(end, row - offset + g.kernel)
+            key_view[0, offset : offset + stop - row] = keys[row - first : stop - first]
+            value_view[0, offset : offset + stop - row] = values[row - first : stop - first]
+            row = stop
 
     def _store(self, pages: torch.Tensor, ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
         index = torch.tensor(ids, dtype=torch.long, device=pages.device)
