@@ -1,6 +1,10 @@
 """The connector vLLM loads: one class, two halves by role (the scheduler half decides, the worker half moves the
 bytes), as vLLM's own connectors are built. Every method here only routes to its half; see _scheduler.py and
-_worker.py for what each guarantees."""
+_worker.py for what each guarantees.
+
+It is `SupportsHMA`: vLLM keeps its hybrid KV-cache manager on, so hybrid models (gated-delta-net, Mamba2) start and
+sliding-window groups keep only their window's blocks; every block id list is then one list per KV-cache group
+(_groups.py). `request_finished` stays for an engine started with --disable-hybrid-kv-cache-manager (one group)."""
 
 from __future__ import annotations
 
@@ -10,16 +14,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from ._compat import check_vllm
+from ._groups import engine_state_dtype, group_map
+from ._last_token import check_engine
 from ._scheduler import HandoffConnectorMetadata, SchedulerHalf
 from ._settings import ConnectorSettings, served_contract
 from ._stats import HandoffConnectorStats, HandoffPromMetrics
 from ._worker import WorkerHalf
 
 
-class HandoffConnector(KVConnectorBase_V1):
+class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
     """handoff-broker between a vLLM prefill instance (kv_producer) and a decode instance (kv_consumer)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
@@ -27,14 +34,16 @@ class HandoffConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
-        self.contract = served_contract(vllm_config, self.settings)
+        self.contract = served_contract(vllm_config, self.settings, engine_state_dtype(kv_cache_config))
+        self.groups = group_map(kv_cache_config, self.contract)  # refuses, by name, what does not fit
+        check_engine(vllm_config, self.contract, self.groups, consumer=transfer.is_kv_consumer)
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerHalf(self.settings, self.contract, transfer.engine_id,
+            self.scheduler = SchedulerHalf(self.settings, self.contract, self.groups, transfer.engine_id,
                                            transfer.is_kv_producer, transfer.is_kv_consumer)  # fmt: skip
         else:
-            self.worker = WorkerHalf(self.settings, self.contract, vllm_config)
+            self.worker = WorkerHalf(self.settings, self.contract, vllm_config, kv_cache_config)
 
     # -- scheduler side -----------------------------------------------------------------------------------------------
 
@@ -51,10 +60,16 @@ class HandoffConnector(KVConnectorBase_V1):
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        """One KV-cache group (--disable-hybrid-kv-cache-manager)."""
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self.scheduler.request_finished(request)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        return (0,)  # the request's own blocks of its one attention group, not a hash-addressed prefix store
+        """Every group a load writes (the request's own blocks, not a hash-addressed prefix store): vLLM zeroes the
+        fresh pages of any group not named."""
+        return self.groups.written_groups
 
     # -- worker side --------------------------------------------------------------------------------------------------
 

@@ -9,7 +9,10 @@ worker copies the prompt's rows out of the pages and pushes them in the backgrou
 saved request's pages (returns True) until the worker reports the push ended, and hands the router
 `kv_transfer_params` = {do_remote_prefill: true, do_remote_decode: false, handoff_id, position, model, ticket,
 prompt_digest}. A 1-token prompt has nothing to hand over (the decoder computes its last token itself): nothing is
-pushed. Each step's metadata also names the requests vLLM preempted in it, whose pages it freed: the worker lets no
+pushed. Under a contract that cannot be rewound (recurrent state, a sliding window's ring) a handed-off request's
+last prompt token is dropped before it is scheduled and the hand-off is at N - 1 (the last-token rule,
+_last_token.py); block ids are kept per KV-cache group (_groups.py). Each step's metadata also names the requests
+vLLM preempted in it, whose pages it freed: the worker lets no
 copy still read them once the next forward pass may write them.
 
 Consumer (`kv_consumer`, `kv_both`): a request whose `kv_transfer_params` carry a `handoff_id` (and do not set
@@ -18,7 +21,8 @@ last prompt token); the load entry names the request's freshly allocated blocks,
 straight into them. The right KV for the right prompt: `prompt_digest` (a digest of the prompt's first `position`
 token ids, also the hand-off id's last part) must equal the digest of the request's own tokens, else nothing is
 loaded and vLLM computes the prompt itself; the refusal is logged with its reason and counted
-(`vllm:handoff_refused_loads`). Params without a digest (today's routers) load as before.
+(`vllm:handoff_refused_loads`). Params without a digest (today's routers) load as before. So is, by the last-token
+rule, a hand-off of all N prompt tokens under a contract that cannot be rewound.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from handoff_client._contract import Contract
 from handoff_client._fleet import make_ticket
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from ._groups import BlockIds, GroupMap, extend, per_group
+from ._last_token import load_refusal, stops_short, truncate
 from ._settings import ConnectorSettings
 from ._stats import HandoffConnectorStats
 
@@ -52,21 +58,23 @@ def _truthy(params: dict[str, Any], key: str) -> bool:
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Push request `request_id`'s first `rows` tokens (its whole prompt) from `block_ids` as `handoff_id`."""
+    """Push request `request_id`'s first `rows` tokens (its whole prompt) from `block_ids` (one tuple per KV-cache
+    group) as `handoff_id`."""
 
     request_id: str
     handoff_id: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
     rows: int
 
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Pull `handoff_id` (a hand-off after `rows` tokens) into `block_ids`, writing tokens [first, rows)."""
+    """Pull `handoff_id` (a hand-off after `rows` tokens) into `block_ids` (one tuple per KV-cache group), writing
+    tokens [first, rows)."""
 
     request_id: str
     handoff_id: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
     first: int
     rows: int
 
@@ -84,15 +92,16 @@ class HandoffConnectorMetadata(KVConnectorMetadata):
 class SchedulerHalf:
     """Decides which requests are pushed (producer) or pulled (consumer); builds each step's metadata."""
 
-    def __init__(self, settings: ConnectorSettings, contract: Contract, engine_id: str, producer: bool,
-                 consumer: bool) -> None:  # fmt: skip
+    def __init__(self, settings: ConnectorSettings, contract: Contract, groups: GroupMap, engine_id: str,
+                 producer: bool, consumer: bool) -> None:  # fmt: skip
         self.settings = settings
         self.contract = contract
+        self.groups = groups
         self.engine_id = engine_id
         self.producer = producer
         self.consumer = consumer
         self._wanted: dict[str, str] = {}  # producer: request to hand off -> its prompt's digest
-        self._blocks: dict[str, list[int]] = {}  # producer: each unsaved request's blocks so far
+        self._blocks: dict[str, BlockIds] = {}  # producer: each unsaved request's blocks so far, per group
         self._prompt: dict[str, int] = {}
         self._saved: dict[str, int] = {}  # producer: request -> rows pushed
         self._loads: dict[str, LoadSpec] = {}
@@ -115,7 +124,11 @@ class SchedulerHalf:
             logger.debug("request %s: a prompt of %d token(s) has nothing to hand over (the decoder computes its "
                          "last token itself); nothing is pushed", request.request_id, len(tokens))  # fmt: skip
             return
-        self._wanted[request.request_id] = prompt_digest(tokens)
+        if stops_short(self.contract) and (why := truncate(request)) is not None:
+            logger.info("request %s is not handed off: %s cannot stop one token short (the last-token rule of a "
+                        "contract that cannot be rewound)", request.request_id, why)  # fmt: skip
+            return
+        self._wanted[request.request_id] = prompt_digest(request.prompt_token_ids)
 
     def take_stats(self) -> HandoffConnectorStats | None:
         return self.stats.take()
@@ -148,6 +161,8 @@ class SchedulerHalf:
             return (
                 f"the hand-off holds {position} tokens, more than the request's prompt of {request.num_prompt_tokens}"
             )
+        if (why := load_refusal(self.contract, position, request.num_prompt_tokens)) is not None:
+            return why
         digest = params.get("prompt_digest")
         if digest is None:
             return None  # today's routers' fields: no digest to check
@@ -167,7 +182,7 @@ class SchedulerHalf:
         params = request.kv_transfer_params
         first = request.num_computed_tokens  # a local prefix-cache hit is not overwritten
         self._loads[request.request_id] = LoadSpec(
-            request.request_id, str(params["handoff_id"]), tuple(blocks.get_block_ids()[0]), first,
+            request.request_id, str(params["handoff_id"]), per_group(blocks.get_block_ids(), self.groups.groups), first,
             first + num_external_tokens,
         )  # fmt: skip
         self._loaded.add(request.request_id)
@@ -184,15 +199,14 @@ class SchedulerHalf:
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id not in self._wanted:
                 continue  # not to be handed off: it runs untouched
-            self._blocks[new.req_id] = list(new.block_ids[0])
+            self._blocks[new.req_id] = per_group(new.block_ids, self.groups.groups)
             self._prompt[new.req_id] = len(new.prompt_token_ids or [])
             self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             if request_id not in self._blocks:
                 continue
-            if cached.new_block_ids[i] is not None:
-                self._blocks[request_id] += cached.new_block_ids[i][0]
+            self._blocks[request_id] = extend(self._blocks[request_id], cached.new_block_ids[i])
             self._maybe_save(meta, request_id, cached.num_computed_tokens[i] + scheduled.get(request_id, 0))
         return meta
 
@@ -203,10 +217,11 @@ class SchedulerHalf:
             return
         blocks = self._blocks.pop(request_id)
         self._prompt.pop(request_id)
-        meta.saves.append(SaveSpec(request_id, self.handoff_id(request_id), tuple(blocks), rows))
+        meta.saves.append(SaveSpec(request_id, self.handoff_id(request_id), blocks, rows))
         self._saved[request_id] = rows
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Hold a pushed request's pages (every group's) until its push ends; the params the router passes on."""
         self._blocks.pop(request.request_id, None)
         self._prompt.pop(request.request_id, None)
         self._loaded.discard(request.request_id)

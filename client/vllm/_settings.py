@@ -77,10 +77,11 @@ class ConnectorSettings:
         }
 
 
-def served_contract(vllm_config: Any, settings: ConnectorSettings) -> Contract:
+def served_contract(vllm_config: Any, settings: ConnectorSettings, state_dtype: str | None = None) -> Contract:
     """The contract of the model vLLM serves, derived from its config.json exactly as `handoff-broker
-    contract-from-config` and `serve --model-config` derive it: over vLLM's max_model_len, in its cache dtype."""
-    from handoff_client._architectures import contract_from_config
+    contract-from-config` and `serve --model-config` derive it: over vLLM's max_model_len, in its cache dtype, and
+    recurrent states (hybrids) in `state_dtype`, the dtype vLLM resolved for them (_groups.engine_state_dtype)."""
+    from handoff_client._architectures import DEFAULT_STATE_DTYPE, contract_from_config
 
     model_config = vllm_config.model_config
     cache_dtype = vllm_config.cache_config.cache_dtype
@@ -94,5 +95,9 @@ def served_contract(vllm_config: Any, settings: ConnectorSettings) -> Contract:
     if isinstance(name, list):
         name = name[0]
     return contract_from_config(
-        model_config.hf_config.to_dict(), ctx=model_config.max_model_len, dtype=CACHE_DTYPES[resolved], model=name
+        model_config.hf_config.to_dict(),
+        ctx=model_config.max_model_len,
+        dtype=CACHE_DTYPES[resolved],
+        model=name,
+        state_dtype=state_dtype or DEFAULT_STATE_DTYPE,
     )

@@ -1,7 +1,8 @@
 """The connector's worker half: it moves bytes between vLLM's pages and the broker, in the contract's layout.
 
-At start-up (`register_kv_caches`) it learns the page layout of the attention backend vLLM chose (_layouts.py;
-an unknown one is refused, by name) and checks that the broker serves this model's contract with the same
+At start-up (`register_kv_caches`) it maps each layer to its KV-cache group and kind (_groups.py: attention, a
+sliding window's ring, a recurrent state page), learns the page layout of the attention backend vLLM chose
+(_layouts.py; an unknown one is refused, by name) or the state page's (_state_pages.py), and checks that the broker serves this model's contract with the same
 fingerprint (a broker serving another contract is refused, naming both fingerprints).
 
 Producer: nothing runs on the forward pass. `wait_for_save`, at the end of the step that computed a prompt's last
@@ -47,7 +48,9 @@ from handoff_client._errors import FingerprintMismatch
 from handoff_client._shards import Shard
 from handoff_client._torch import from_numpy, to_numpy
 
+from ._groups import GroupMap, Kind, group_map
 from ._layouts import Geometry, PageLayout, layout_for
+from ._movers import AttentionMover, StateMover, bound_views, state_mover
 from ._pages import cache_writer
 from ._scheduler import HandoffConnectorMetadata, LoadSpec, SaveSpec
 from ._settings import ConnectorSettings
@@ -62,14 +65,17 @@ LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class WorkerHalf:
     """Pushes saved requests and pulls loaded ones, converting between pages and the contract's rows."""
 
-    def __init__(self, settings: ConnectorSettings, contract: Contract, vllm_config: Any) -> None:
+    def __init__(self, settings: ConnectorSettings, contract: Contract, vllm_config: Any, kv_cache_config: Any) -> None:
         self.settings = settings
         self.contract = contract
         self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.groups: GroupMap | None = None  # each layer's KV-cache group and kind (register_kv_caches)
+        self.movers: dict[str, AttentionMover | StateMover] = {}  # vLLM layer name -> how its pages are moved
         self.client = HandoffClient(settings.target, **settings.client_options())
         self.pages: dict[str, torch.Tensor] = {}
         self.layouts: dict[str, PageLayout] = {}
-        self.tensors: dict[str, tuple[str, str]] = {}  # vLLM layer name -> the contract's (key, value) tensors
+        self.tensors: dict[str, tuple[str, str]] = {}  # attention layer name -> the contract's (key, value) tensors
         self.layer_of: dict[str, str] = {}  # the contract's tensor name -> its vLLM layer name
         self.shard: Shard | None = None  # this worker's rank and TP size (register_kv_caches)
         self.pushed: frozenset[str] = frozenset()  # the tensors this rank pushes
@@ -89,38 +95,43 @@ class WorkerHalf:
     # -- start-up -----------------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Learn and verify each layer's pages by its kind (_groups.py): an attention or window layer's backend
+        layout, a state layer's conv and recurrent views (checked against the views vLLM's layer bound)."""
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-        backend = get_current_attn_backends(self.vllm_config)[0].get_name()
-        cache = self.vllm_config.cache_config
         self.shard = tp_shard()
         check_kv_heads(self.vllm_config, self.contract, self.shard)
         holds, self.pushed = rank_contracts(self.contract, self.shard)
+        self.groups = group_map(self.kv_cache_config, holds)
+        if missing := sorted(set(self.groups.layers) ^ set(kv_caches)):
+            raise ValueError(f"{self.contract.model}: vLLM layer `{missing[0]}` is in the KV-cache groups or the pages "
+                             "vLLM registered, not both")  # fmt: skip
+        backends = set()
         for layer_name, pages in kv_caches.items():
-            index = LAYER_INDEX.search(layer_name)
-            if index is None:
-                raise ValueError(f"vLLM layer `{layer_name}` names no layer index the contract can match")
-            own = list(holds.of_layer(int(index.group(1))))
-            keys = [c for c in own if c.name.endswith("k_cache")]
-            values = [c for c in own if c.name.endswith("v_cache")]
-            if len(keys) != 1 or len(values) != 1:
-                raise ValueError(f"{self.contract.model}: layer {index.group(1)} has no key and value cache to carry")
-            geometry = Geometry(keys[0].heads or 1, keys[0].head_dim or keys[0].cols, cache.block_size)
+            plan = self.groups.layers[layer_name]
+            self.pages[layer_name] = pages
+            if pages.is_cuda and self._stream is None:
+                self._stream = torch.cuda.Stream(device=pages.device)
+            if plan.kind is Kind.STATE:
+                self.movers[layer_name] = state_mover(plan, pages, bound_views(self.vllm_config, layer_name))
+                continue
+            key, value = plan.tensors
+            backend = get_current_attn_backends(self.vllm_config, [layer_name])[0].get_name()
+            backends.add(backend)
+            geometry = Geometry(key.heads or 1, key.head_dim or key.cols, plan.block_size)
             if pages.dim() == 4 and pages.shape[1] != geometry.kv_heads:  # vLLM 0.32's [blocks, heads, block, C]
                 raise ValueError(f"{self.contract.model}: vLLM pages `{layer_name}` with {pages.shape[1]} KV heads at "
                                  f"TP {self.shard}; the contract gives this rank {geometry.kv_heads}")  # fmt: skip
-            self.layouts[layer_name] = layout_for(backend, geometry, pages.dtype, self._isa(backend, geometry),
-                                                  pages=pages, writer=cache_writer(self.vllm_config, layer_name))  # fmt: skip
-            self.pages[layer_name] = pages
-            self.tensors[layer_name] = (keys[0].name, values[0].name)
-            self.layer_of.update({keys[0].name: layer_name, values[0].name: layer_name})
-            if pages.is_cuda and self._stream is None:
-                self._stream = torch.cuda.Stream(device=pages.device)
-        if 2 * len(self.tensors) != len(self.contract.carried):
-            raise ValueError(f"{self.contract.model}: vLLM pages {len(self.tensors)} layers of keys and values, "
-                             f"the contract carries {len(self.contract.carried)} tensors")  # fmt: skip
-        logger.info("handoff connector: %d layers, %s pages, block %d, TP %s, model %s at %s", len(kv_caches),
-                    backend, cache.block_size, self.shard, self.contract.model, self.settings.target)  # fmt: skip
+            layout = layout_for(backend, geometry, pages.dtype, self._isa(backend, geometry), pages=pages,
+                                writer=cache_writer(self.vllm_config, layer_name))  # fmt: skip
+            self.layouts[layer_name] = layout
+            self.movers[layer_name] = AttentionMover(plan, layout)
+            self.tensors[layer_name] = (key.name, value.name)
+        self.layer_of = self.groups.layer_of
+        kinds = sorted({plan.kind.value for plan in self.groups.layers.values()})
+        logger.info("handoff connector: %d layers (%s) in %d KV-cache groups, %s pages, TP %s, model %s at %s",
+                    len(kv_caches), ", ".join(kinds), self.groups.groups, ", ".join(sorted(backends)) or "state",
+                    self.shard, self.contract.model, self.settings.target)  # fmt: skip
         self._check_broker_contract()
 
     def _part(self) -> Shard | None:
@@ -200,14 +211,16 @@ class WorkerHalf:
             self.stats.record_push(result.bytes, time.perf_counter() - started)
 
     def _copy_out(self, save: SaveSpec) -> dict[str, np.ndarray]:
-        """This rank's part of every layer's keys and values of the prompt's rows, out of the pages, in the
-        contract's layout (its heads' columns; at TP 1 the whole)."""
+        """This rank's part of every layer's tensors after the prompt's rows, out of the pages, in the contract's
+        layout (its heads' columns; at TP 1 the whole): attention rows, a window's ring, a state block."""
         tensors = {}
-        for layer_name, (key_name, value_name) in self.tensors.items():
-            if key_name not in self.pushed:
+        for layer_name, mover in self.movers.items():
+            plan = mover.plan
+            if not any(t.name in self.pushed for t in plan.tensors):
                 continue  # its heads are pushed by a lower rank holding them too
-            keys, values = self.layouts[layer_name].gather(self.pages[layer_name], list(save.block_ids), save.rows)
-            tensors[key_name], tensors[value_name] = to_numpy(keys.cpu()), to_numpy(values.cpu())
+            for name, tensor in mover.gather(self.pages[layer_name], save.block_ids[plan.group], save.rows).items():
+                if name in self.pushed:
+                    tensors[name] = to_numpy(tensor.cpu())
         return tensors
 
     def _record_failure(self, pushing: bool) -> None:
@@ -217,11 +230,13 @@ class WorkerHalf:
     # -- consumer -----------------------------------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: HandoffConnectorMetadata) -> None:
-        for request_id in metadata.preempted:  # vLLM freed these pages: no copy may still read them
-            with self._lock:
-                copying = self._copying.get(request_id)
-            if copying is not None:
-                copying.wait()
+        with self._lock:
+            if self.groups is not None and self.groups.has_windows:  # vLLM frees a window's passed blocks after
+                waits = list(self._copying.values())  # a step, while the copy may still read them: let it end first
+            else:  # vLLM freed these pages: no copy may still read them
+                waits = [self._copying[r] for r in metadata.preempted if r in self._copying]
+        for copying in waits:
+            copying.wait()
         with self._lock:
             self._loading += len(metadata.loads)
         for load in metadata.loads:
@@ -253,15 +268,13 @@ class WorkerHalf:
             self._loading -= 1
 
     def _write_layer(self, load: LoadSpec, layer_name: str, arrived: dict[str, np.ndarray]) -> None:
-        """Write the layer into the request's pages once both its key and its value have arrived (each tensor
-        arrives once, so a layer is written once: when the second of its two does)."""
-        key_name, value_name = self.tensors[layer_name]
-        if key_name in arrived and value_name in arrived:
-            keys = from_numpy(arrived[key_name][load.first : load.rows])
-            values = from_numpy(arrived[value_name][load.first : load.rows])
-            pages = self.pages[layer_name]
-            self.layouts[layer_name].scatter(pages, list(load.block_ids), load.first, keys.to(pages.device),
-                                             values.to(pages.device))  # fmt: skip
+        """Write the layer into the request's pages once all its tensors have arrived (each tensor arrives once, so
+        a layer is written once: when the last of its tensors does)."""
+        mover = self.movers[layer_name]
+        names = [t.name for t in mover.plan.tensors]
+        if all(name in arrived for name in names):
+            tensors = {name: from_numpy(arrived[name]) for name in names}
+            mover.scatter(self.pages[layer_name], load.block_ids[mover.plan.group], load.first, load.rows, tensors)
 
     # -- both ---------------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,103 @@
+"""The last-token rule at vLLM's edge, and what a contract that cannot be rewound asks of the engine.
+
+vLLM's decoder always computes the prompt's last token itself: a load that covers the whole prompt is cut back by
+one (`Scheduler._update_waiting_for_remote_kv`: `num_computed_tokens = num_tokens - 1`). For attention caches that
+rewrites one row with the same values. A contract that is not `rewindable` (handoff_client._contract: a recurrent
+state, a conv ring, a sliding window's ring shorter than the context) cannot be run back: loading the state after N
+tokens and running token N-1 again is silently wrong. So, as the contract states it (docs/contracts.md):
+
+Producer: a request handed off (`do_remote_decode`) under such a contract has its prompt's last token dropped
+before it is scheduled (`truncate`; vLLM's NIXL and Mooncake connectors do the same): the prefill computes N-1
+tokens, the hand-off is at position N-1, the request's one sampled token is discarded by the router. Requests not
+handed off run untouched. A request that cannot be truncated (a 1-token prompt, prompt embeddings, or one that
+skips reading cached tokens, e.g. prompt logprobs, which a decoder recomputes whole) is not handed off at all.
+
+Consumer: a hand-off at position N >= the prompt's N tokens under such a contract is refused (`load_refusal`):
+logged, counted, and vLLM computes the prompt itself. Never loaded and rerun.
+
+Start-up (`check_engine`): what this connector cannot do exactly for such a contract is refused by name: speculative
+decoding (its drafts' state slots), `mamba_cache_mode` other than "none" (prefix caching of recurrent state, states
+at block boundaries), and prefix caching on a decode instance (a local hit plus a partial load).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from handoff_client._contract import Contract
+
+from ._groups import GroupMap, Kind
+
+logger = logging.getLogger(__name__)
+
+TRUNCATED = "_handoff_truncated"
+"""The `kv_transfer_params` key marking a request already cut short (a preempted request comes back: cut once)."""
+
+
+def stops_short(contract: Contract) -> bool:
+    """Whether the producer of `contract` hands off N-1 of a prompt's N tokens (the contract is not rewindable)."""
+    return not contract.rewindable
+
+
+def truncate(request: Any) -> str | None:
+    """Producer: drop the last prompt token of a request to be handed off under a contract that stops short, as
+    NIXL's `_truncate_request_for_prefill` does (prompt_token_ids, _all_token_ids, num_prompt_tokens; max_tokens 1).
+    Idempotent (a marker in its kv_transfer_params). Returns None when done, else why the request cannot be cut
+    (then it must not be handed off)."""
+    params = request.kv_transfer_params
+    if params.get(TRUNCATED):
+        return None
+    if request.prompt_token_ids is None:
+        return "a prompt of embeddings, not token ids"
+    if request.num_prompt_tokens < 2:
+        return f"a prompt of {request.num_prompt_tokens} token(s)"
+    skips = getattr(request, "get_skip_reading_prefix_cache", None)
+    if skips is not None and skips():
+        return "a request that reads no cached tokens (prompt logprobs): its decoder recomputes it whole"
+    del request.prompt_token_ids[-1]
+    del request._all_token_ids[-1]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params[TRUNCATED] = True
+    return None
+
+
+def load_refusal(contract: Contract, position: int, prompt_tokens: int) -> str | None:
+    """Consumer: why a hand-off at `position` must not be loaded into a request of `prompt_tokens` tokens under
+    `contract` by the last-token rule (None: it may)."""
+    if stops_short(contract) and position >= prompt_tokens:
+        return (
+            f"the hand-off holds the state after all {position} tokens of a {prompt_tokens}-token prompt, and vLLM "
+            f"computes the last prompt token again after a load; {contract.model}'s contract cannot be rewound "
+            "(recurrent state or a sliding window's ring), so its producer must stop one token short (the "
+            "last-token rule)"
+        )
+    return None
+
+
+def check_engine(vllm_config: Any, contract: Contract, groups: GroupMap, consumer: bool) -> None:
+    """Refuse (ValueError, naming the setting) what the connector cannot do exactly for a contract that stops
+    short; nothing for a rewindable one."""
+    if not stops_short(contract):
+        return
+    why = "state" if groups.has_state else "a sliding window's ring"
+    model = contract.model
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ValueError(f"{model}: the handoff connector does not carry {why} under speculative decoding (its draft "
+                         "slots and its lookahead change which state a hand-off holds); start without "
+                         "--speculative-config")  # fmt: skip
+    for plan in groups.layers.values():
+        if plan.kind is Kind.STATE:
+            mode = getattr(plan.spec, "mamba_cache_mode", "none")
+            if mode != "none":
+                raise ValueError(f"{model}: mamba_cache_mode {mode!r} (prefix caching of recurrent state) keeps "
+                                 "states at block boundaries, which the handoff connector does not carry; start with "
+                                 "--no-enable-prefix-caching (mamba_cache_mode 'none')")  # fmt: skip
+            if getattr(plan.spec, "num_speculative_blocks", 0):
+                raise ValueError(f"{model}: `{plan.layer}` keeps {plan.spec.num_speculative_blocks} speculative "
+                                 "state slots, which the handoff connector does not carry")  # fmt: skip
+    if consumer and getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        raise ValueError(f"{model}: a decode instance of a model with {why} loads a hand-off whole or not at all; "
+                         "prefix caching would mix its own cached prefix with a loaded state: start it with "
+                         "--no-enable-prefix-caching")  # fmt: skip

@@ -1,0 +1,43 @@
+"""tests/vllm_roles.py's vLLM instance, started the way the hybrid tests need it: `python tests/vllm_hybrid_roles.py
+ROLE MODEL_DIR SETTINGS.json`, the same roles, settings and session commands, and besides them: `block_size` (null:
+vLLM's own choice, which a hybrid model's page alignment makes), `max_num_batched_tokens` (the prefill chunk) and
+`max_num_seqs` (1 unless given: one request at a time, so a bf16 run does not depend on its batch), and the default
+`dtype` bfloat16 (the CPU build's gated-delta-net kernel takes nothing else).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import vllm_roles
+
+
+def start(role: str, model_dir: str, settings: dict):
+    from vllm import LLM
+
+    kv_transfer = None
+    if role != "plain":
+        kv_transfer = {
+            "kv_connector": "HandoffConnector",
+            "kv_connector_module_path": "handoff_client.vllm",
+            "kv_role": vllm_roles.ROLES[role],
+            "kv_connector_extra_config": dict(settings["extra"]),
+            "kv_load_failure_policy": "recompute",
+        }
+    return LLM(
+        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="uni",
+        block_size=settings.get("block_size"), max_model_len=settings.get("max_model_len", 1024),
+        max_num_batched_tokens=settings.get("max_num_batched_tokens"), max_num_seqs=settings.get("max_num_seqs", 1),
+        dtype=settings.get("dtype", "bfloat16"), kv_cache_memory_bytes=settings["kv_cache_bytes"],
+        kv_transfer_config=kv_transfer, enable_prefix_caching=False,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    vllm_roles.start = start
+    vllm_roles.main(*sys.argv[1:4])
