@@ -329,7 +329,7 @@ def _metric(url: str, name: str, expected: float, timeout: float = 20) -> float 
 def test_a_completion_through_vllm_serve_prefill_broker_and_decode_equals_one_vllm_serve(
     model_dir, tmp_path, vllm_broker
 ):
-    """The README's three commands: a prefill and a decode `vllm serve`, and examples/proxy.py between them. The
+    """The vLLM quickstart's commands (README, docs/vllm.md): a prefill and a decode `vllm serve`, and examples/proxy.py between them. The
     connector finds its contract on the broker under the served model name; no extra config but the target."""
     transfer = lambda role: {"kv_connector": "HandoffConnector", "kv_connector_module_path": "handoff_client.vllm",
                              "kv_role": role, "kv_load_failure_policy": "recompute",

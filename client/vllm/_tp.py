@@ -4,7 +4,7 @@ and pulls, and a start-up check that vLLM gives this rank exactly the KV heads t
 Each prefill rank r of t pushes `shard=(r, t)`: its own heads of every split tensor (a replicated head only by the
 first rank holding it, the tensors not split only by rank 0); a rank with nothing of its own still pushes its empty
 part, since the broker makes a hand-off pullable only once every rank has pushed. Each decode rank q of d pulls
-`shard=(q, d)` and gets its heads whatever TP size pushed (the broker reshards: README, "Tensor-parallel engines").
+`shard=(q, d)` and gets its heads whatever TP size pushed (the broker reshards: docs/client.md, "Tensor-parallel engines").
 
 The check: the broker's rule (`handoff_client._shards.held_heads`: rank r of t holds heads [r·H/t, (r+1)·H/t), or
 head r·H/t when H < t and vLLM replicates) is compared, at start-up, with what vLLM's own weight loader gives the
