@@ -84,9 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     serve.add_argument("--port", type=port, default=50051, help="gRPC port; 0 picks a free one (default: 50051)")
     serve.add_argument("--contracts", metavar="DIR", help="folder of *.json manifests (default: embedded demo-hybrid)")
-    serve.add_argument("--model-config", metavar="[NAME=]CONFIG.json", action="append",
-                       help="serve the contract derived from a Hugging Face config.json, under NAME (as vLLM's "
-                            "--served-model-name) or the config's own name (repeatable)")  # fmt: skip
+    serve.add_argument("--model-config", metavar="NAME=CONFIG.json|DIR", action="append",
+                       help="serve the contract derived from a Hugging Face config.json, or a model directory's, "
+                            "under NAME (as vLLM's --served-model-name; required unless the config has a "
+                            "_name_or_path) (repeatable)")  # fmt: skip
     serve.add_argument("--config-ctx", type=CONTEXT, default=4096, help="cache length for --model-config (4096)")
     serve.add_argument("--config-dtype", default="bfloat16", help="cache dtype for --model-config (bfloat16)")
     serve.add_argument("--max-bytes", type=parse_bytes, help="bytes of hand-offs held at most (default: half of RAM)")
@@ -173,12 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     derive = subcommands.add_parser(
         "contract-from-config", help="write the manifest a Hugging Face config.json implies"
     )
-    derive.add_argument("config", metavar="CONFIG.json", help="a Hugging Face config.json")
+    derive.add_argument("config", metavar="CONFIG.json|DIR", help="a Hugging Face config.json, or a model directory")
     derive.add_argument("--ctx", type=CONTEXT, default=4096, help="cache length in positions (4096)")
     derive.add_argument("--dtype", default="bfloat16", help="cache dtype; float8_e4m3fn and int8 add scales (bfloat16)")
     derive.add_argument("--state-dtype", default="float32", help="dtype of linear-attention memories (float32)")
     derive.add_argument("--scale", choices=["tensor", "row", "none"], help="scale tensors for quantized caches")
-    derive.add_argument("--model", help="the contract's model name (default: the config's _name_or_path)")
+    derive.add_argument("--model", help="the contract's model name, as vLLM's --served-model-name "
+                        "(required unless the config has a _name_or_path)")  # fmt: skip
     derive.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     derive.set_defaults(run=commands.contract_from_config)
 

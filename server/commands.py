@@ -26,22 +26,31 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 
-def _config_contract(path: Path, **options: object) -> Contract:
-    """The contract a Hugging Face config.json file describes; ManifestError naming the file when it cannot."""
+def _config_contract(path: Path, *, label: str, naming: str, **options: object) -> Contract:
+    """The contract a Hugging Face config.json describes: `path` is the file, or a model directory holding it (the
+    form `vllm serve --model DIR` takes). ManifestError starting with `label` (the flag and path) when it cannot.
+
+    Invariant: a contract is named by `options["model"]` or by the config's own `_name_or_path`, never by its
+    model_type: a real Hugging Face config.json carries no name, and `llama` would neither match vLLM's
+    --served-model-name nor tell two Llama configs apart. Without either, the refusal asks for `naming`.
+    """
     from handoff_client._architectures import contract_from_config
 
+    file = path / "config.json" if path.is_dir() else path
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{path}: not a readable config.json: {e}") from None
+        raise ManifestError(f"{label}: not a readable config.json: {e}") from None
+    if not options.get("model") and not (isinstance(config, dict) and config.get("_name_or_path")):
+        raise ManifestError(f"{label}: name the model as vLLM serves it: {naming} (NAME as --served-model-name)")
     try:
         contract = contract_from_config(config, **options)
     except ManifestError as e:
-        raise ManifestError(f"{path}: {e}") from None
+        raise ManifestError(f"{label}: {e}") from None
     longest = config.get("max_position_embeddings") if isinstance(config, dict) else None
     if isinstance(longest, int) and contract.ctx > longest:
         logger.warning("%s: a cache of %d positions, beyond the model's max_position_embeddings %d: rows it never "
-                       "fills are counted in the contract's full size", path, contract.ctx, longest)  # fmt: skip
+                       "fills are counted in the contract's full size", file, contract.ctx, longest)  # fmt: skip
     return contract
 
 
@@ -103,9 +112,13 @@ def serve(args: argparse.Namespace) -> int:
         contracts = load_contracts(Path(args.contracts)) if args.contracts else {}
         for value in args.model_config or []:
             name, _, path = value.rpartition("=")  # NAME=CONFIG.json names the model (vLLM's --served-model-name)
-            contract = _config_contract(Path(path), ctx=args.config_ctx, dtype=args.config_dtype, model=name or None)
+            label = f"--model-config {path}"
+            contract = _config_contract(
+                Path(path), label=label, naming=f"--model-config NAME={path}", ctx=args.config_ctx,
+                dtype=args.config_dtype, model=name or None,
+            )  # fmt: skip
             if contract.model in contracts:
-                raise ManifestError(f"{path}: model: `{contract.model}` is already served")
+                raise ManifestError(f"{label}: model: `{contract.model}` is already served")
             contracts[contract.model] = contract
         contracts = contracts or default_contracts()
     except ManifestError as e:
@@ -188,8 +201,8 @@ def contract_from_config(args: argparse.Namespace) -> int:
     """Write the manifest of the model a Hugging Face config.json describes."""
     try:
         contract = _config_contract(
-            Path(args.config), ctx=args.ctx, dtype=args.dtype, model=args.model, state_dtype=args.state_dtype,
-            scale=args.scale,
+            Path(args.config), label=f"contract-from-config {args.config}", naming="--model NAME", ctx=args.ctx,
+            dtype=args.dtype, model=args.model, state_dtype=args.state_dtype, scale=args.scale,
         )  # fmt: skip
     except ManifestError as e:
         print(f"handoff-broker: {e}", file=sys.stderr)
