@@ -197,3 +197,23 @@ def test_what_the_connector_cannot_do_exactly_for_a_hybrid_is_refused_at_start_u
     dense = contract_from_config(LLAMA, ctx=64)
     two = kv_cache_config([([f"model.layers.{i}.self_attn.attn" for i in range(2)], attention_spec())])
     check_engine(_Config(prefix_caching=True, speculative=object()), dense, group_map(two, dense), consumer=True)
+
+
+def test_one_group_of_merged_windows_takes_each_layers_own_window():
+    """--disable-hybrid-kv-cache-manager: one group whose FullAttentionSpec merges the window layers' window; each
+    layer's kind comes from its own window (the worker reads it off the layer), and a ring that is not it is
+    refused."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    contract = contract_from_config(GEMMA3, ctx=64)
+    merged = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.bfloat16,
+                               sliding_window=WINDOW)  # fmt: skip
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    one = kv_cache_config([(names, merged)])
+    for windows in (None, {names[0]: WINDOW, names[1]: None}):
+        plans = group_map(one, contract, windows).layers
+        assert (plans[names[0]].kind, plans[names[1]].kind) == (Kind.WINDOW, Kind.ATTENTION)
+    with pytest.raises(UnsupportedGroups, match=r"has 7 rows, vLLM's layer keeps a ring of .* = 15"):
+        group_map(one, contract, {names[0]: 2 * WINDOW, names[1]: None})
+    with pytest.raises(UnsupportedGroups, match=r"self_attn.k_cache` has 64 rows, vLLM's layer keeps a ring"):
+        group_map(one, contract, {names[0]: WINDOW, names[1]: WINDOW})

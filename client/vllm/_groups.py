@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,7 +150,8 @@ def _layer_specs(group: Any) -> dict[str, Any]:
     return {name: (own[name] if own else spec) for name in group.layer_names}
 
 
-def _plan(name: str, group: int, spec: Any, tensors: list[Carried], contract: Contract) -> LayerPlan:
+def _plan(name: str, group: int, spec: Any, tensors: list[Carried], contract: Contract,
+          windows: Mapping[str, int | None] | None) -> LayerPlan:  # fmt: skip
     """One layer's plan, its tensors checked against vLLM's spec of it."""
     kind_name = type(spec).__name__
     where = f"{contract.model}: vLLM layer `{name}` (KV-cache group {group}, {kind_name})"
@@ -174,6 +175,10 @@ def _plan(name: str, group: int, spec: Any, tensors: list[Carried], contract: Co
     if len(keys) != 1 or len(values) != 1 or len(tensors) != 2:
         raise UnsupportedGroups(f"{where} holds keys and values; the contract gives it {names}")
     window = getattr(spec, "sliding_window", None)
+    if windows is not None and name in windows:
+        window = windows[name]  # the layer's own (HMA off: one group whose spec merges every layer's window)
+    elif window is not None and type(spec).__name__ == "FullAttentionSpec" and keys[0].rows == contract.ctx:
+        window = None  # a merged group's window is its window layers'; the worker checks each layer's own
     want = contract.ctx if window is None else min(window - 1, contract.ctx)
     for t in (keys[0], values[0]):
         if not t.rows_are_positions or t.rows != want:
@@ -184,9 +189,10 @@ def _plan(name: str, group: int, spec: Any, tensors: list[Carried], contract: Co
     return LayerPlan(name, group, kind, spec.block_size, (keys[0], values[0]), window, spec)
 
 
-def group_map(kv_cache_config: Any, contract: Contract) -> GroupMap:
+def group_map(kv_cache_config: Any, contract: Contract, windows: Mapping[str, int | None] | None = None) -> GroupMap:
     """Map every tensor `contract` carries (this rank's view) to its vLLM layer and KV-cache group, from the
-    engine's `kv_cache_config`; UnsupportedGroups naming whatever does not fit."""
+    engine's `kv_cache_config` and, where given (the worker, from the layers themselves), each attention layer's own
+    sliding window; UnsupportedGroups naming whatever does not fit."""
     by_layer: dict[int, list[Carried]] = {}
     for carried in contract.carried:
         by_layer.setdefault(carried.layer, []).append(carried)
@@ -210,7 +216,7 @@ def group_map(kv_cache_config: Any, contract: Contract) -> GroupMap:
                 raise UnsupportedGroups(f"{contract.model}: vLLM layer `{name}` is in KV-cache group {g}, which vLLM "
                                         "does not transfer, but the contract carries it")  # fmt: skip
             claimed[layer] = name
-            plans[name] = _plan(name, g, spec, tensors, contract)
+            plans[name] = _plan(name, g, spec, tensors, contract, windows)
     if left := sorted(set(by_layer) - set(claimed)):
         names = [t.name for t in by_layer[left[0]]]
         raise UnsupportedGroups(f"{contract.model}: the contract carries {names} of layer {left[0]}, which no vLLM "

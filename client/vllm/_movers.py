@@ -90,6 +90,13 @@ def state_mover(plan: LayerPlan, pages: torch.Tensor, bound: Sequence[torch.Tens
     return StateMover(plan, layout)
 
 
+def layer_windows(vllm_config: Any) -> dict[str, int | None]:
+    """Each attention layer's own sliding window (None: full attention), read off vLLM's layers: with the hybrid
+    KV-cache manager off, one group's spec merges them."""
+    context = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    return {name: layer.sliding_window for name, layer in context.items() if hasattr(layer, "sliding_window")}
+
+
 def bound_views(vllm_config: Any, layer: str) -> tuple[torch.Tensor, ...] | None:
     """The state views vLLM's layer `layer` bound to its pages (MambaBase.bind_kv_cache), or None where the worker
     cannot reach the layer (then the page layout stands on vLLM's calculators alone)."""

@@ -50,7 +50,7 @@ from handoff_client._torch import from_numpy, to_numpy
 
 from ._groups import GroupMap, Kind, group_map
 from ._layouts import Geometry, PageLayout, layout_for
-from ._movers import AttentionMover, StateMover, bound_views, state_mover
+from ._movers import AttentionMover, StateMover, bound_views, layer_windows, state_mover
 from ._pages import cache_writer
 from ._scheduler import HandoffConnectorMetadata, LoadSpec, SaveSpec
 from ._settings import ConnectorSettings
@@ -102,7 +102,7 @@ class WorkerHalf:
         self.shard = tp_shard()
         check_kv_heads(self.vllm_config, self.contract, self.shard)
         holds, self.pushed = rank_contracts(self.contract, self.shard)
-        self.groups = group_map(self.kv_cache_config, holds)
+        self.groups = group_map(self.kv_cache_config, holds, layer_windows(self.vllm_config))
         if missing := sorted(set(self.groups.layers) ^ set(kv_caches)):
             raise ValueError(f"{self.contract.model}: vLLM layer `{missing[0]}` is in the KV-cache groups or the pages "
                              "vLLM registered, not both")  # fmt: skip
