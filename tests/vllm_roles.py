@@ -42,12 +42,13 @@ def start(role: str, model_dir: str, settings: dict):
             "kv_load_failure_policy": "recompute",
         }
     tp = settings.get("tp", 1)
+    scheduling = {"max_num_seqs": settings["max_num_seqs"]} if "max_num_seqs" in settings else {}
     return LLM(
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True,
         distributed_executor_backend="uni" if tp == 1 else "mp", tensor_parallel_size=tp,
         num_gpu_blocks_override=64, block_size=settings["block_size"], max_model_len=settings.get("max_model_len", 1024),
         dtype=settings.get("dtype", "bfloat16"), kv_cache_memory_bytes=settings["kv_cache_bytes"],
-        kv_transfer_config=kv_transfer, enable_prefix_caching=False,
+        kv_transfer_config=kv_transfer, enable_prefix_caching=settings.get("prefix_caching", False), **scheduling,
     )  # fmt: skip
 
 

@@ -107,6 +107,7 @@ class SchedulerHalf:
         self._loads: dict[str, LoadSpec] = {}
         self._loaded: set[str] = set()
         self._refused: set[str] = set()  # consumer: requests whose hand-off was refused (logged and counted once)
+        self._local_hits: dict[str, int] = {}  # consumer: tokens vLLM's own prefix cache holds, as it told us
         self.stats = HandoffConnectorStats()
 
     def handoff_id(self, request_id: str) -> str:
@@ -150,7 +151,12 @@ class SchedulerHalf:
             return 0, False
         rows = min(int(params["position"]), request.num_prompt_tokens)
         count = rows - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        # vLLM calls update_state_after_alloc before it sets request.num_computed_tokens, so the local prefix-cache
+        # hit it passes here is the only record of where the load starts.
+        self._local_hits[request.request_id] = num_computed_tokens
+        return count, True
 
     def _refusal(self, request: Any, params: dict[str, Any]) -> str | None:
         """Why the hand-off named in `params` must not be loaded into `request` (None: it may)."""
@@ -180,7 +186,10 @@ class SchedulerHalf:
         if num_external_tokens <= 0 or request.request_id in self._loaded:
             return
         params = request.kv_transfer_params
-        first = request.num_computed_tokens  # a local prefix-cache hit is not overwritten
+        # The load starts after the local prefix-cache hit (which is not overwritten): vLLM has not yet set
+        # request.num_computed_tokens to it when it calls this hook (scheduler.py), so it is the count that
+        # get_num_new_matched_tokens was given.
+        first = self._local_hits.pop(request.request_id, 0)
         self._loads[request.request_id] = LoadSpec(
             request.request_id, str(params["handoff_id"]), per_group(blocks.get_block_ids(), self.groups.groups), first,
             first + num_external_tokens,
@@ -206,7 +215,11 @@ class SchedulerHalf:
         for i, request_id in enumerate(cached.req_ids):
             if request_id not in self._blocks:
                 continue
-            self._blocks[request_id] = extend(self._blocks[request_id], cached.new_block_ids[i])
+            if request_id in (getattr(cached, "resumed_req_ids", None) or ()):
+                # resumed after a preemption: its blocks were freed and these are all of its blocks now
+                self._blocks[request_id] = per_group(cached.new_block_ids[i] or (), self.groups.groups)
+            else:
+                self._blocks[request_id] = extend(self._blocks[request_id], cached.new_block_ids[i])
             self._maybe_save(meta, request_id, cached.num_computed_tokens[i] + scheduled.get(request_id, 0))
         return meta
 
@@ -226,6 +239,7 @@ class SchedulerHalf:
         self._prompt.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
         self._refused.discard(request.request_id)
+        self._local_hits.pop(request.request_id, None)
         rows = self._saved.pop(request.request_id, None)
         if rows is None:
             self._wanted.pop(request.request_id, None)
