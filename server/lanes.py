@@ -249,8 +249,8 @@ class LaneListener:
                         self._accept(selector, key.fileobj)  # type: ignore[arg-type]
                     elif key.fileobj is self._wake_reader:
                         sockets.drain(self._wake_reader)
-                    else:
-                        self._read(selector, self._openings[key.fileobj])  # type: ignore[index]
+                    elif (opening := self._openings.get(key.fileobj)) is not None:  # type: ignore[call-overload]
+                        self._read(selector, opening)  # (None: an earlier accept in this pass made room with it)
                 self._settle(selector)
             for opening in list(self._openings.values()):
                 sockets.close(opening.sock)
