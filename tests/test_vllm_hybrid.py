@@ -122,9 +122,10 @@ class Engine:
 
 
 def engines(model_dir: Path, folder: Path, target: str, model: str, **roles: dict) -> dict[str, Engine]:
-    """Several instances started at once (their start-ups overlap), each ready when returned."""
-    started = {role: Engine(role, model_dir, folder, extra={"target": target, "model": model}, **settings)
-               for role, settings in roles.items()}  # fmt: skip
+    """Several instances started at once (their start-ups overlap), each ready when returned; named by role, or
+    `role:name` for a second one of a role."""
+    started = {name: Engine(name.split(":")[0], model_dir, folder, extra={"target": target, "model": model},
+                            **settings) for name, settings in roles.items()}  # fmt: skip
     return {role: engine.ready() for role, engine in started.items()}
 
 
@@ -177,7 +178,8 @@ def qwen(models, broker, tmp_path_factory):
 @pytest.fixture(scope="module")
 def gemma(models, broker, tmp_path_factory):
     started = engines(models[GEMMA], tmp_path_factory.mktemp("gemma"), broker.address, GEMMA,
-                      plain={"block_size": 32}, producer={"block_size": 128}, consumer={"block_size": 32})  # fmt: skip
+                      plain={"block_size": 32}, producer={"block_size": 128}, consumer={"block_size": 32},
+                      **{"consumer:one-group": {"block_size": 64, "disable_hybrid_kv_cache_manager": True}})  # fmt: skip
     yield started
     for engine in started.values():
         engine.close()
@@ -267,3 +269,12 @@ def test_gemma3_hands_off_only_the_windows_rows_and_decodes_as_a_plain_engine(ge
     assert decoded["tokens"] == plain["tokens"]
     assert decoded["cached"] == [len(p) - 1 for p in GEMMA_PROMPTS]
     assert len({tuple(t) for t in plain["tokens"]}) == len(GEMMA_PROMPTS)  # the oracle tells prompts apart
+
+
+def test_a_decoder_without_the_hybrid_kv_cache_manager_takes_the_same_window_hand_offs(gemma):
+    """--disable-hybrid-kv-cache-manager: one KV-cache group, every block kept, `request_finished` instead of
+    `request_finished_all_groups`; the window layers' rings are written into it from the same hand-offs."""
+    params = hand_off(gemma["producer"], GEMMA_PROMPTS)
+    decoded = gemma["consumer:one-group"].generate(GEMMA_PROMPTS, params)
+    assert decoded["tokens"] == gemma["plain"].generate(GEMMA_PROMPTS)["tokens"]
+    assert decoded["cached"] == [len(p) - 1 for p in GEMMA_PROMPTS]

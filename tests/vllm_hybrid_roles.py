@@ -1,7 +1,8 @@
 """tests/vllm_roles.py's vLLM instance, started the way the hybrid tests need it: `python tests/vllm_hybrid_roles.py
 ROLE MODEL_DIR SETTINGS.json`, the same roles, settings and session commands, and besides them: `block_size` (null:
 vLLM's own choice, which a hybrid model's page alignment makes), `max_num_batched_tokens` (the prefill chunk) and
-`max_num_seqs` (1 unless given: one request at a time, so a bf16 run does not depend on its batch), and the default
+`max_num_seqs` (1 unless given: one request at a time, so a bf16 run does not depend on its batch),
+`disable_hybrid_kv_cache_manager` (null: vLLM decides), and the default
 `dtype` bfloat16 (the CPU build's gated-delta-net kernel takes nothing else).
 """
 
@@ -35,6 +36,7 @@ def start(role: str, model_dir: str, settings: dict):
         max_num_batched_tokens=settings.get("max_num_batched_tokens"), max_num_seqs=settings.get("max_num_seqs", 1),
         dtype=settings.get("dtype", "bfloat16"), kv_cache_memory_bytes=settings["kv_cache_bytes"],
         kv_transfer_config=kv_transfer, enable_prefix_caching=False,
+        disable_hybrid_kv_cache_manager=settings.get("disable_hybrid_kv_cache_manager"),
     )  # fmt: skip
 
 
