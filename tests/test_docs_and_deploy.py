@@ -8,7 +8,6 @@ import shlex
 from pathlib import Path
 
 import yaml
-
 from handoff_broker.cli import build_parser
 from handoff_client import _errors
 
