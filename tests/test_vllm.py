@@ -38,7 +38,7 @@ ROLES = ROOT / "tests" / "vllm_roles.py"
 MODEL = "tiny-llama"
 PROMPTS = [[(i * 7 + n) % 500 + 3 for i in range(n)] for n in (7, 77, 150, 200)]  # under a block, blocks, several
 MAX_TOKENS = 8
-SETS = 4  # the hand-offs of PROMPTS the prefill instance pushes: one set for each decode test that pulls them
+SETS = 3  # the hand-offs of PROMPTS the prefill instance pushes: one set for each decode test that pulls them all
 BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2  # layers x (key, value) x kv heads x head_dim x bf16
 # The KV cache each engine allocates, set outright: vLLM's CPU build otherwise sizes it as a share of the first NUMA
 # node's memory less the process's own, which on a VM whose first node is small leaves nothing, and fails to start.
@@ -114,12 +114,13 @@ def baseline(model_dir, tmp_path_factory, vllm_broker):
 
 @pytest.fixture(scope="module")
 def pushed(model_dir, tmp_path_factory, vllm_broker):
-    """One prefill instance (block 128) handing off every prompt four times over (one set for each decode test), as
-    a router asks (`do_remote_decode`), beside the same prompts sent plain and a 1-token prompt asked for."""
+    """One prefill instance (block 128) handing off every prompt three times over (one set for each decode test that
+    pulls them all) and the longest once more (for the prefix-cache test), as a router asks (`do_remote_decode`),
+    beside the same prompts sent plain and a 1-token prompt asked for."""
     received_before = _received(vllm_broker)
     asked = {"do_remote_decode": True, "do_remote_prefill": False}
-    prompts = PROMPTS * SETS + PROMPTS + [[5]]
-    params = [asked] * (SETS * len(PROMPTS)) + [None] * len(PROMPTS) + [asked]
+    prompts = PROMPTS * SETS + [PROMPTS[3]] + PROMPTS + [[5]]
+    params = [asked] * (SETS * len(PROMPTS) + 1) + [None] * len(PROMPTS) + [asked]
     report = run_vllm("producer", model_dir, tmp_path_factory.mktemp("producer"), block=128,
                       target=vllm_broker.address, prompts=prompts, params=params)  # fmt: skip
     report["received"] = _received(vllm_broker) - received_before
@@ -132,8 +133,8 @@ def test_a_prefill_instance_hands_off_only_the_requests_that_ask_and_a_1_token_p
     response carries no kv_transfer_params); a 1-token prompt has nothing to hand over. The bytes the broker took in
     are the asked prompts' filled rows and nothing else."""
     params = pushed["kv_transfer_params"]
-    assert pushed["received"] == SETS * sum(len(p) for p in PROMPTS) * BYTES_PER_TOKEN
-    assert params[SETS * len(PROMPTS) :] == [None] * (len(PROMPTS) + 1)
+    assert pushed["received"] == (SETS * sum(len(p) for p in PROMPTS) + len(PROMPTS[3])) * BYTES_PER_TOKEN
+    assert params[SETS * len(PROMPTS) + 1 :] == [None] * (len(PROMPTS) + 1)
     for p, prompt in zip(params[: len(PROMPTS)], PROMPTS):
         assert p["do_remote_prefill"] is True and p["do_remote_decode"] is False
         assert p["position"] == len(prompt) and p["model"] == MODEL
@@ -172,7 +173,7 @@ def test_a_decode_instance_whose_prefix_cache_holds_the_first_blocks_loads_only_
     request, and a load written from row 0 left the last 64 rows unwritten and gave other tokens."""
     prompt = PROMPTS[3]
     neighbour = prompt[:64] + [(t * 5) % 500 + 3 for t in range(40)]
-    params = strip_cached(pushed["kv_transfer_params"][3 * len(PROMPTS) + 3])
+    params = strip_cached(pushed["kv_transfer_params"][SETS * len(PROMPTS)])
     decoded = run_vllm("consumer", model_dir, tmp_path, block=32, target=vllm_broker.address,
                        prompts=[neighbour, prompt], params=[None, params],
                        engine={"prefix_caching": True, "max_num_seqs": 1})  # fmt: skip
