@@ -76,10 +76,10 @@ def role_tcp_consumer(port: int, nbytes: int) -> None:
 
 
 def role_checked_relay(port_file: str, runs: int) -> None:
-    """The TCP lane's wire (handoff_client._lane: its socket settings, frame headers and end marker) between two
+    """The TCP lane's wire (handoff_client.protocol.lane: its socket settings, frame headers and end marker) between two
     raw sockets: receives and checks on one thread, forwards on another, as the broker's push and pipelined pull do."""
     from handoff_client import tune_allocator
-    from handoff_client._lane import read_header, recv_into_exact, send_end, send_frame, tune
+    from handoff_client.protocol.lane import read_header, recv_into_exact, send_end, send_frame, tune
 
     tune_allocator(keep=RELAY_KEEP, mmap_threshold=32 * MiB)  # as the broker: pages a transfer freed serve the next
     crc(b"")  # (its module imported before any clock starts)
@@ -121,7 +121,7 @@ def role_checked_relay(port_file: str, runs: int) -> None:
 
 
 def role_checked_producer(port: int, nbytes: int) -> None:
-    from handoff_client._lane import send_end, send_frame, tune
+    from handoff_client.protocol.lane import send_end, send_frame, tune
 
     data = memoryview(payload(nbytes))
     crc(b"")
@@ -138,7 +138,7 @@ def role_checked_producer(port: int, nbytes: int) -> None:
 
 
 def role_checked_consumer(port: int, nbytes: int) -> None:
-    from handoff_client._lane import read_header, recv_into_exact, tune
+    from handoff_client.protocol.lane import read_header, recv_into_exact, tune
 
     out = destination(nbytes)
     view = memoryview(out)

@@ -30,7 +30,7 @@ def _drained(requests, context) -> bytes:
 
 def role_naive_grpc_relay(port_file: str) -> None:
     import grpc
-    from handoff_client._proto import handoff_pb2 as pb
+    from handoff_client.protocol.messages import handoff_pb2 as pb
 
     held: dict[str, list[bytes]] = {}
     done: dict[str, threading.Event] = {}
@@ -109,7 +109,7 @@ def role_naive_grpc_relay(port_file: str) -> None:
 
 def naive_channel(port: int):
     import grpc
-    from handoff_client._proto import handoff_pb2 as pb
+    from handoff_client.protocol.messages import handoff_pb2 as pb
 
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 * MiB)])
     push = channel.stream_unary("/naive.Relay/Push", pb.PushRequest.SerializeToString, pb.PushResponse.FromString)

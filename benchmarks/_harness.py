@@ -56,7 +56,7 @@ def destination(nbytes: int) -> np.ndarray:
 
 def crc(buffer) -> int:
     """CRC32C of a buffer's bytes (the lanes' checksum)."""
-    from handoff_client._frames import crc32c
+    from handoff_client.protocol.frames import crc32c
 
     return crc32c(memoryview(buffer).cast("B"))
 

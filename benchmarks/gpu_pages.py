@@ -45,8 +45,7 @@ import time
 from pathlib import Path
 
 import torch
-from handoff_client import HandoffClient, from_numpy, to_numpy
-from handoff_client._architectures import contract_from_config
+from handoff_client import HandoffClient, contract_from_config, from_numpy, to_numpy
 from handoff_client.vllm._layouts import Geometry
 from handoff_client.vllm._mla_pages import LatentGeometry, LatentLayout
 from handoff_client.vllm._pages import FlashLayout

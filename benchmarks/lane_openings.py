@@ -32,10 +32,10 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from handoff_broker import BrokerConfig, build_server
 from handoff_client import HandoffClient
-from handoff_client._contract import Carried, Contract
-from handoff_client._lane import new_capability
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import decode_pull_response, method_path
+from handoff_client.protocol.contract import Carried, Contract
+from handoff_client.protocol.lane import new_capability
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.wire import decode_pull_response, method_path
 
 LARGE = Contract("large", 1025, 64, tuple(Carried(f"k{i}", i, 1024, 1024, "float32") for i in range(4)))  # 16 MiB
 TENSORS = {c.name: np.ones(c.shape, np.float32) for c in LARGE.carried}

@@ -38,8 +38,8 @@ from handoff_client import (
     HandoffError,
     HandoffGone,
 )
-from handoff_client._frames import encode_chunk
-from handoff_client._proto import handoff_pb2 as pb
+from handoff_client.protocol.frames import encode_chunk
+from handoff_client.protocol.messages import handoff_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
 FATES = ("normal", "kill-pusher", "kill-puller", "cancel")

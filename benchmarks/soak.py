@@ -34,10 +34,10 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from handoff_client import HandoffClient, HandoffError, RetryPolicy
 from handoff_client._client import CHANNEL_OPTIONS
-from handoff_client._errors import from_rpc_error
-from handoff_client._frames import encode_chunk
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import decode_pull_response, identity, method_path
+from handoff_client.protocol.errors import from_rpc_error
+from handoff_client.protocol.frames import encode_chunk
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.wire import decode_pull_response, identity, method_path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "demo-hybrid"

@@ -13,8 +13,9 @@ file (a `time.perf_counter()` of the engine's process):
     generate        LLM.generate's start and end: the first token's whole time
     step            every engine step: how many ran, and which one computed (the model's forward, with its tokens)
     load            handoff: start_load_kv handing the pull to a thread; the pull's start and end, the time its
-                    thread spent waiting for tensors from the broker (network, checks) and writing them into the
-                    pages (scatter); get_finished reporting it. ExampleConnector: its start_load_kv (reading the
+                    thread spent waiting for tensors from the broker (network, checks), the time spent writing
+                    them into the pages (scatter: on the pull's thread, or on writer threads beside it, so the two
+                    may overlap within the pull's whole); get_finished reporting it. ExampleConnector: its start_load_kv (reading the
                     files and writing them into the pages, inside the step's forward)
 The summary splits each connector's first token into phases, medians over the prompts, each as ms per 1k prompt
 tokens and as a multiple of ExampleConnector's whole first token (the baseline); a third decode engine without a
@@ -114,22 +115,26 @@ def install_probes(prompts: int) -> None:
     WorkerHalf.start_load_kv = probed_start_load
 
     pull = WorkerHalf._pull
+    written: dict[str, float] = {}  # request -> seconds its layers' writes into the pages took (any thread)
+    written_lock = threading.Lock()
 
     def probed_pull(self, load):
-        local.waiting, local.scatter, local.first = 0.0, 0.0, None
+        local.waiting, local.first = 0.0, None
         began = time.perf_counter()
         pull(self, load)
-        mark("pull", begin=began, first=local.first, waiting=local.waiting, scatter=local.scatter,
-             steps=calls["steps"])  # fmt: skip
+        with written_lock:
+            scatter = written.pop(load.request_id, 0.0)
+        mark("pull", begin=began, first=local.first, waiting=local.waiting, scatter=scatter, steps=calls["steps"])
 
     WorkerHalf._pull = probed_pull
 
     write = WorkerHalf._write_layer
 
-    def probed_write(self, *args):
+    def probed_write(self, load, *args):  # on the pull's thread, or on a writer thread of its own
         started = time.perf_counter()
-        write(self, *args)
-        local.scatter += time.perf_counter() - started
+        write(self, load, *args)
+        with written_lock:
+            written[load.request_id] = written.get(load.request_id, 0.0) + time.perf_counter() - started
 
     WorkerHalf._write_layer = probed_write
 
@@ -152,8 +157,8 @@ def install_probes(prompts: int) -> None:
 
     get_finished = WorkerHalf.get_finished
 
-    def probed_get_finished(self, finished):
-        released, received = get_finished(self, finished)
+    def probed_get_finished(self, finished, *args):
+        released, received = get_finished(self, finished, *args)
         if received:
             mark("reported", steps=calls["steps"])
         return released, received
@@ -217,13 +222,13 @@ def phases(events: list[dict]) -> dict[str, float]:
     split |= {
         "to_load": load["t"] - begin,  # the request scheduled, its blocks allocated, the load's step begun
         "to_pull": pull["begin"] - load["t"],  # the pull's thread starting
+        "pull": pull["t"] - pull["begin"],  # the pull's whole: these two, where they do not overlap, and the rest
         "waiting": pull["waiting"],  # the pull's thread waiting for tensors (network, broker, checks, confirm)
-        "scatter": pull["scatter"],  # ... writing them into the pages
+        "scatter": pull["scatter"],  # writing them into the pages (on the pull's thread, or beside it)
         "to_reported": reported["t"] - pull["t"],  # the pull's end seen by get_finished
         "to_forward": forward["begin"] - reported["t"],  # the step that reported it ending, the next scheduling it
         "spun_steps": reported["steps"] - load["steps"],  # engine steps run while the pull ran
     }
-    split["pull_other"] = (pull["t"] - pull["begin"]) - pull["waiting"] - pull["scatter"]
     return split
 
 

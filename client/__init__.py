@@ -21,63 +21,65 @@ _HOMES: dict[str, str] = {
     "DEFAULT_RETRY": "_calls",
     "NO_RETRY": "_calls",
     "RetryPolicy": "_calls",
-    "DEFAULT_CHUNK_BYTES": "_client",
+    "DEFAULT_CHUNK_BYTES": "protocol.limits",
     "DEFAULT_TIMEOUT": "_client",
     "BrokerStatus": "_status",
     "__version__": "_version",
     "HandoffClient": "_client",
+    "contract_from_config": "_architectures",
+    "make_channel": "_calls",
     "PushResult": "_client",
     "PulledTensors": "_pulls",
-    "tune_allocator": "_allocator",
-    "Carried": "_contract",
-    "Contract": "_contract",
-    "Handoff": "_contract",
+    "tune_allocator": "memory",
+    "Carried": "protocol.contract",
+    "Contract": "protocol.contract",
+    "Handoff": "protocol.contract",
     "FleetClient": "_fleet",
-    "Shard": "_shards",
-    "ShardContract": "_shards",
-    "join_shards": "_shards",
-    "shard_arrays": "_shards",
+    "Shard": "protocol.shards",
+    "ShardContract": "protocol.shards",
+    "join_shards": "protocol.shards",
+    "shard_arrays": "protocol.shards",
     "from_numpy": "_torch",
     "to_numpy": "_torch",
-    "DTYPES": "_dtypes",
-    "AlreadyClaimed": "_errors",
-    "BadChunk": "_errors",
-    "BrokerBusy": "_errors",
-    "BrokerUnavailable": "_errors",
-    "CallCancelled": "_errors",
-    "CapacityExhausted": "_errors",
-    "ContractViolation": "_errors",
-    "DeadlineExceeded": "_errors",
-    "DigestMismatch": "_errors",
-    "Draining": "_errors",
-    "FingerprintMismatch": "_errors",
-    "HandoffCancelled": "_errors",
-    "HandoffError": "_errors",
-    "HandoffExists": "_errors",
-    "HandoffGone": "_errors",
-    "InternalError": "_errors",
-    "LaneBroken": "_errors",
-    "MalformedRequest": "_errors",
-    "ManifestError": "_errors",
-    "MessageTooLarge": "_errors",
-    "MissingTensor": "_errors",
-    "NotFound": "_errors",
-    "NotInShard": "_errors",
-    "PermissionDenied": "_errors",
-    "PositionOutOfRange": "_errors",
-    "Precondition": "_errors",
-    "PushAborted": "_errors",
-    "RpcFailed": "_errors",
-    "ShardLayout": "_errors",
-    "ShardMismatch": "_errors",
-    "StaleClaim": "_errors",
-    "Unauthenticated": "_errors",
-    "UnknownHandoff": "_errors",
-    "UnknownModel": "_errors",
-    "UnknownTensor": "_errors",
-    "WaitTimedOut": "_errors",
-    "WrongLayout": "_errors",
-    "WrongLength": "_errors",
+    "DTYPES": "protocol.dtypes",
+    "AlreadyClaimed": "protocol.errors",
+    "BadChunk": "protocol.errors",
+    "BrokerBusy": "protocol.errors",
+    "BrokerUnavailable": "protocol.errors",
+    "CallCancelled": "protocol.errors",
+    "CapacityExhausted": "protocol.errors",
+    "ContractViolation": "protocol.errors",
+    "DeadlineExceeded": "protocol.errors",
+    "DigestMismatch": "protocol.errors",
+    "Draining": "protocol.errors",
+    "FingerprintMismatch": "protocol.errors",
+    "HandoffCancelled": "protocol.errors",
+    "HandoffError": "protocol.errors",
+    "HandoffExists": "protocol.errors",
+    "HandoffGone": "protocol.errors",
+    "InternalError": "protocol.errors",
+    "LaneBroken": "protocol.errors",
+    "MalformedRequest": "protocol.errors",
+    "ManifestError": "protocol.errors",
+    "MessageTooLarge": "protocol.errors",
+    "MissingTensor": "protocol.errors",
+    "NotFound": "protocol.errors",
+    "NotInShard": "protocol.errors",
+    "PermissionDenied": "protocol.errors",
+    "PositionOutOfRange": "protocol.errors",
+    "Precondition": "protocol.errors",
+    "PushAborted": "protocol.errors",
+    "RpcFailed": "protocol.errors",
+    "ShardLayout": "protocol.errors",
+    "ShardMismatch": "protocol.errors",
+    "StaleClaim": "protocol.errors",
+    "Unauthenticated": "protocol.errors",
+    "UnknownHandoff": "protocol.errors",
+    "UnknownModel": "protocol.errors",
+    "UnknownTensor": "protocol.errors",
+    "WaitTimedOut": "protocol.errors",
+    "WrongLayout": "protocol.errors",
+    "WrongLength": "protocol.errors",
 }
 """Each public name and the module that defines it, imported when the name is first used: `import handoff_client`
 costs nothing until then (the broker's health check, a client-only command, imports no numpy or ml_dtypes)."""
@@ -138,8 +140,10 @@ __all__ = [
     "WaitTimedOut",
     "WrongLayout",
     "WrongLength",
+    "contract_from_config",
     "from_numpy",
     "join_shards",
+    "make_channel",
     "shard_arrays",
     "to_numpy",
     "tune_allocator",
@@ -160,12 +164,18 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors
-    from ._allocator import tune_allocator
-    from ._calls import DEFAULT_RETRY, NO_RETRY, RetryPolicy
-    from ._client import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, HandoffClient, PushResult
-    from ._contract import Carried, Contract, Handoff
-    from ._dtypes import DTYPES
-    from ._errors import (
+    from ._architectures import contract_from_config
+    from ._calls import DEFAULT_RETRY, NO_RETRY, RetryPolicy, make_channel
+    from ._client import DEFAULT_TIMEOUT, HandoffClient, PushResult
+    from ._fleet import FleetClient
+    from ._pulls import PulledTensors
+    from ._status import BrokerStatus
+    from ._torch import from_numpy, to_numpy
+    from ._version import __version__ as __version__
+    from .memory import tune_allocator
+    from .protocol.contract import Carried, Contract, Handoff
+    from .protocol.dtypes import DTYPES
+    from .protocol.errors import (
         AlreadyClaimed,
         BadChunk,
         BrokerBusy,
@@ -205,9 +215,5 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors
         WrongLayout,
         WrongLength,
     )
-    from ._fleet import FleetClient
-    from ._pulls import PulledTensors
-    from ._shards import Shard, ShardContract, join_shards, shard_arrays
-    from ._status import BrokerStatus
-    from ._torch import from_numpy, to_numpy
-    from ._version import __version__ as __version__
+    from .protocol.limits import DEFAULT_CHUNK_BYTES
+    from .protocol.shards import Shard, ShardContract, join_shards, shard_arrays

@@ -35,8 +35,8 @@ from ._config_fields import (
     attention,
     positive_int,
 )
-from ._contract import MODEL_NAME, Contract
-from ._dtypes import DTYPES
+from .protocol.contract import MODEL_NAME, Contract
+from .protocol.dtypes import DTYPES
 
 __all__ = ["DEFAULT_CTX", "DEFAULT_DTYPE", "DEFAULT_STATE_DTYPE", "DERIVERS", "ConfigError", "contract_from_config"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import MalformedRequest
+from .protocol.errors import MalformedRequest
 
 
 def checked_position(model: str, position: object) -> int:

@@ -9,13 +9,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from ._errors import BrokerBusy, BrokerUnavailable, CallCancelled, HandoffError, LaneBroken, PushAborted
-
-DEFAULT_PORT = 50051
-"""The broker's port when a target names none (gRPC itself would dial 443)."""
-
-MAX_MESSAGE_BYTES = 64 << 20
-"""The largest message either side accepts: a chunk of up to this size minus its few header bytes."""
+from .protocol.errors import BrokerBusy, BrokerUnavailable, CallCancelled, HandoffError, LaneBroken, PushAborted
+from .protocol.limits import DEFAULT_PORT, MAX_MESSAGE_BYTES
 
 RECONNECT_BACKOFF_MS = (100, 1000)
 """gRPC's reconnect backoff, first and longest (ms; gRPC adds 20 % jitter): a broker that restarts is reached within

@@ -37,17 +37,25 @@ from ._calls import (
     retryable_pull,
     retryable_push,
 )
-from ._contract import Contract, Handoff, cut_to_filled
-from ._errors import FingerprintMismatch, HandoffError, from_rpc_error
 from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
-from ._lane import MAX_CONNECTIONS, new_capability
 from ._lane_choice import choose, connections_for
-from ._proto import handoff_pb2 as pb
 from ._pulls import PullAttempts, PulledTensors, destinations
 from ._pushes import PushAttempts, PushResult
-from ._shards import Shard, as_shard, view
 from ._status import BrokerStatus
-from ._wire import contract_from_proto, decode_pull_response, identity, message_classes, method_path, shard_to_proto
+from .protocol.contract import Contract, Handoff, cut_to_filled
+from .protocol.errors import FingerprintMismatch, HandoffError, from_rpc_error
+from .protocol.lane import MAX_CONNECTIONS, new_capability
+from .protocol.limits import DEFAULT_CHUNK_BYTES
+from .protocol.messages import handoff_pb2 as pb
+from .protocol.shards import Shard, as_shard, view
+from .protocol.wire import (
+    contract_from_proto,
+    decode_pull_response,
+    identity,
+    message_classes,
+    method_path,
+    shard_to_proto,
+)
 
 __all__ = [  # (the names other modules and tests import from here)
     "CHANNEL_OPTIONS", "DEFAULT_CHUNK_BYTES", "DEFAULT_RETRY", "DEFAULT_TIMEOUT", "MAX_MESSAGE_BYTES", "NO_RETRY",
@@ -55,13 +63,6 @@ __all__ = [  # (the names other modules and tests import from here)
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CHUNK_BYTES = (1 << 20) - 1024
-"""Payload bytes per chunk: 1 MiB less room for the frame's few header bytes. Measured end to end on 2-core
-machines (benchmarks/bench.py), 512 KiB to 2 MiB cost the least CPU: every copy gRPC's Python layer makes of a frame
-stays within a core's 2 MiB L2 cache, where 4 MiB frames spilled and cost ~15 % more CPU in all three processes;
-256 KiB paid more per message. Well under gRPC's default 4 MiB message limit, so a peer built from the .proto with
-default settings reads every frame."""
 
 DEFAULT_TIMEOUT = 60.0
 """Seconds a call may take, end to end, unless the caller says otherwise."""
@@ -143,7 +144,7 @@ class HandoffClient:
             unary("CancelHandoff"),
         )
         self._get_lanes = unary("GetLanes")
-        # The two streams carry chunk frames, encoded and decoded by hand (_frames.py).
+        # The two streams carry chunk frames, encoded and decoded by hand (protocol/frames.py).
         self._push = self._channel.stream_unary(
             method_path("PushHandoff"), request_serializer=identity, response_deserializer=pb.PushResponse.FromString
         )

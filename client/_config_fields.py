@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._contract import Carried, ManifestError
+from .protocol.contract import Carried, ManifestError
 
 DEFAULT_CTX = 4096
 DEFAULT_DTYPE = "bfloat16"

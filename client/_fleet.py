@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Self, TypeVar
 
-from ._errors import BrokerUnavailable, HandoffError, MalformedRequest, WaitTimedOut
 from ._members import BrokerSet
+from .protocol.errors import BrokerUnavailable, HandoffError, MalformedRequest, WaitTimedOut
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 A recurrent layer carries a conv ring (its causal conv's last `kernel - 1` inputs) and a recurrent state. Both are
 split by head across tensor-parallel ranks exactly as vLLM shards them, so the broker's head resharding (columns
-split by head, `handoff_client._shards`) moves them between TP sizes as it moves attention heads. Neither is
+split by head, `handoff_client.protocol.shards`) moves them between TP sizes as it moves attention heads. Neither is
 positional: each is carried whole (at every rank, its heads whole) at every position, and neither can be rewound,
 so a contract holding one is not `rewindable` (a producer stops one token short; docs/contracts.md).
 
@@ -30,7 +30,7 @@ vLLM's Mamba2 state is `(H/tp, P, N)` (mamba_utils.mamba2_state_shape), so its `
 here. With one group and several ranks, every rank holds the group whole (vLLM's `extra_groups_for_head_shards`),
 which is the contract's replicated head (a head count that divides the TP size).
 
-At TP size t, rank r holds of each tensor the heads `_shards.held_heads` names (r·H/t up to (r+1)·H/t, or head
+At TP size t, rank r holds of each tensor the heads `protocol.shards.held_heads` names (r·H/t up to (r+1)·H/t, or head
 r·H/t replicated when H < t): the per-rank conv state is vLLM's [Q_r | K_r | V_r] (or [x_r | B_r | C_r]) and the
 per-rank recurrent state vLLM's `(H/t, ...)`, so the rank's own pages convert without another rank's bytes.
 """

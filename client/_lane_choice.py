@@ -7,10 +7,10 @@ import logging
 from collections.abc import Callable, Sequence
 from functools import cache
 
-from ._lane import Frames, StripedFrames, TcpFrames, connection_capabilities, lane_host, open_lanes
-from ._proto import handoff_pb2 as pb
-from ._ring import host_id, open_ring_lane
-from ._seal import SealedFrames, receive_salt, sealed_opening, sealing_available
+from .protocol.lane import Frames, StripedFrames, TcpFrames, connection_capabilities, lane_host, open_lanes
+from .protocol.messages import handoff_pb2 as pb
+from .protocol.ring import host_id, open_ring_lane
+from .protocol.seal import SealedFrames, receive_salt, sealed_opening, sealing_available
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ import grpc
 import numpy as np
 
 from ._calls import retryable_pull
-from ._contract import Carried, Contract, Handoff, TensorSpans, check_array
-from ._errors import (
+from ._lane_choice import describe, fell_back, open_frames
+from .protocol.contract import Carried, Contract, Handoff, TensorSpans, check_array
+from .protocol.errors import (
     AlreadyClaimed,
     BadChunk,
     DigestMismatch,
@@ -26,12 +27,11 @@ from ._errors import (
     WrongLayout,
     from_rpc_error,
 )
-from ._frames import ChunkFrame, crc32c, handoff_digest
-from ._lane import OPENING_TIMEOUT, LaneUnreachable
-from ._lane_choice import describe, fell_back, open_frames
-from ._proto import handoff_pb2 as pb
-from ._shards import Shard, view
-from ._wire import shard_to_proto
+from .protocol.frames import ChunkFrame, crc32c, handoff_digest
+from .protocol.lane import OPENING_TIMEOUT, LaneUnreachable
+from .protocol.messages import handoff_pb2 as pb
+from .protocol.shards import Shard, view
+from .protocol.wire import shard_to_proto
 
 if TYPE_CHECKING:
     from ._client import HandoffClient

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from ._contract import Contract, Handoff
-from ._errors import LaneBroken, UnknownHandoff, from_rpc_error
-from ._frames import crc32c, encode_chunk
-from ._lane import LaneClosed, LaneUnreachable, new_capability
 from ._lane_choice import connections_for, describe, fell_back, frame_bytes, open_frames
-from ._proto import handoff_pb2 as pb
-from ._shards import Shard
-from ._wire import shard_to_proto
+from .protocol.contract import Contract, Handoff
+from .protocol.errors import LaneBroken, UnknownHandoff, from_rpc_error
+from .protocol.frames import crc32c, encode_chunk
+from .protocol.lane import LaneClosed, LaneUnreachable, new_capability
+from .protocol.messages import handoff_pb2 as pb
+from .protocol.shards import Shard
+from .protocol.wire import shard_to_proto
 
 if TYPE_CHECKING:
     from ._client import HandoffClient

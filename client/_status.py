@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._contract import Contract
-from ._proto import handoff_pb2 as pb
-from ._wire import contract_from_proto
+from .protocol.contract import Contract
+from .protocol.messages import handoff_pb2 as pb
+from .protocol.wire import contract_from_proto
 
 
 @dataclass(frozen=True)

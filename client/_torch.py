@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ._dtypes import numpy_dtype
+from .protocol.dtypes import numpy_dtype
 
 _VIEWS = {"torch.bfloat16": ("int16", "bfloat16"), "torch.float8_e4m3fn": ("uint8", "float8_e4m3fn"),
           "torch.float8_e5m2": ("uint8", "float8_e5m2")}  # fmt: skip

@@ -4,7 +4,7 @@ Run after every change to the .proto: `python scripts/generate_proto.py` (needs 
 tests/test_wire.py fails when the committed module no longer matches the .proto.
 
 Only the message module is generated: the service's method paths are read off its descriptor at run time
-(handoff_client/_wire.py), so no generated stub code needs its imports patched.
+(handoff_client/protocol/wire.py), so no generated stub code needs its imports patched.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PROTO = PROTO_ROOT / "handoff" / "v1" / "handoff.proto"
-OUT = ROOT / "client" / "_proto"
+OUT = ROOT / "client" / "protocol" / "messages"
 
 
 def generate(out_dir: Path) -> list[Path]:

@@ -21,7 +21,7 @@ edge, to that call's admission slot or its ledger reservation, and is released e
 however it ends. A slot stands for a worker thread, so it is held exactly as long as the call may hold one: a push's
 while its handler runs; a pull's until its call has ended and no thread runs its handler (`HeldWhileRunning`), so
 a thread still asleep in a lane's opening is never counted free. A thread waiting for its lane's connections waits
-at most the opening deadline (handoff_client._lane.OPENING_TIMEOUT) and is woken the moment its call ends
+at most the opening deadline (handoff_client.protocol.lane.OPENING_TIMEOUT) and is woken the moment its call ends
 (`LaneListener.forget`). A connection that is no call's yet (an opening) holds no slot: the lane listener holds at
 most 64, each at most the opening deadline, shared fairly by source (server/lanes.py). Bytes, chunks, frame buffers,
 rings and HTTP/2 windows: the ledger's reservation, or a bound a call (docs/lanes.md, "Every resource a call can
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Self, TypeVar
 
-from handoff_client._errors import BrokerBusy
+from handoff_client.protocol.errors import BrokerBusy
 
 T = TypeVar("T")
 

@@ -18,11 +18,11 @@ from typing import Self, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
-from handoff_client._allocator import trim, tune_allocator
-from handoff_client._client import MAX_MESSAGE_BYTES
-from handoff_client._contract import Contract
-from handoff_client._lane import DEFAULT_LANE_MIN_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_SHM_LANE_MIN_BYTES
-from handoff_client._wire import SERVICE_NAME
+from handoff_client.memory import trim, tune_allocator
+from handoff_client.protocol.contract import Contract
+from handoff_client.protocol.lane import DEFAULT_LANE_MIN_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_SHM_LANE_MIN_BYTES
+from handoff_client.protocol.limits import DEFAULT_PORT, MAX_MESSAGE_BYTES
+from handoff_client.protocol.wire import SERVICE_NAME
 from prometheus_client import CollectorRegistry
 
 from .admission import Admission
@@ -40,14 +40,13 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_PORT = 50051
 DEFAULT_HOST = "127.0.0.1"
 ALLOCATOR_ARENAS = 1
 """glibc arenas for the whole broker: one heap, so the pages freed by any thread serve the next frame of any other,
 and trimming it when the broker goes idle hands back everything (measured: with more arenas, tens of MiB stayed)."""
 ALLOCATOR_MMAP_THRESHOLD = 32 << 20
 """The broker's frames come from its heap, and so reuse its pages, up to this size: glibc's largest on 64-bit, where
-a worker's is 8 MiB (handoff_client._allocator). A client may send lane frames up to the lane's max_frame_bytes; at
+a worker's is 8 MiB (handoff_client.memory). A client may send lane frames up to the lane's max_frame_bytes; at
 8 MiB, 8 MiB frames were each faulted in afresh and 256 MiB moved at a quarter to a fifth of the rate it did at 32
 (2 vCPUs). Not for workers: a decoder tuned with 32 MiB faulted in more pages on some of its pulls."""
 STREAM_WINDOW_BYTES = 2 << 20

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import grpc
 from grpc_status import rpc_status
-from handoff_client._contract import ManifestError
-from handoff_client._errors import HandoffError, PermissionDenied, Unauthenticated, to_status
-from handoff_client._wire import SERVICE, SERVICE_NAME
+from handoff_client.protocol.contract import ManifestError
+from handoff_client.protocol.errors import HandoffError, PermissionDenied, Unauthenticated, to_status
+from handoff_client.protocol.wire import SERVICE, SERVICE_NAME
 
 ROLES = frozenset({"prefill", "decode", "admin"})
 METHOD_ROLES: dict[str, frozenset[str]] = {

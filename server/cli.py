@@ -9,14 +9,14 @@ import logging
 import os
 import sys
 
-from handoff_client._calls import DEFAULT_PORT
-from handoff_client._errors import ManifestError
-from handoff_client._lane import (
+from handoff_client.protocol.errors import ManifestError
+from handoff_client.protocol.lane import (
     DEFAULT_LANE_MIN_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_SHM_LANE_MIN_BYTES,
     MAX_CONNECTIONS,
 )
+from handoff_client.protocol.limits import DEFAULT_PORT
 
 from . import commands
 from .flag_sources import EnvDefaults, apply_config_file, env_variable
@@ -291,7 +291,7 @@ def version_line() -> str:
     """This release, and what it runs on: `0.1.0 (Python 3.11.9, grpcio 1.76.0)`."""
     import platform
 
-    from handoff_client._version import __version__
+    from handoff_client import __version__
 
     try:
         from importlib.metadata import version

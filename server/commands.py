@@ -15,10 +15,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from handoff_client._errors import ManifestError
+from handoff_client.protocol.errors import ManifestError
 
 if TYPE_CHECKING:
-    from handoff_client._contract import Contract
+    from handoff_client.protocol.contract import Contract
 
 logger = logging.getLogger("handoff_broker")
 
@@ -34,7 +34,7 @@ def _config_contract(path: Path, *, label: str, naming: str, **options: object) 
     model_type: a real Hugging Face config.json carries no name, and `llama` would neither match vLLM's
     --served-model-name nor tell two Llama configs apart. Without either, the refusal asks for `naming`.
     """
-    from handoff_client._architectures import contract_from_config
+    from handoff_client import contract_from_config
 
     file = path / "config.json" if path.is_dir() else path
     try:
@@ -263,7 +263,7 @@ def health(args: argparse.Namespace) -> int:
     HealthCheckRequest whose field 1 is the service's name; the response's field 1, a varint, is the status), so the
     client-only install can run it."""
     import grpc
-    from handoff_client._calls import make_channel  # (grpc only: a HEALTHCHECK every 10 s stays cheap)
+    from handoff_client import make_channel  # (grpc only: a HEALTHCHECK every 10 s stays cheap)
 
     tls = _connection(args)
     tls.pop("token")  # health needs none

@@ -12,10 +12,10 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from handoff_client._errors import ManifestError
+from handoff_client.protocol.errors import ManifestError
 
 if TYPE_CHECKING:
-    from handoff_client._contract import Contract
+    from handoff_client.protocol.contract import Contract
 
 DEFAULT_MODEL = "demo-hybrid"
 
@@ -31,7 +31,9 @@ def default_contracts() -> dict[str, Contract]:
     """
     text = resources.files(__package__).joinpath("manifests", f"{DEFAULT_MODEL}.json").read_text()
 
-    from handoff_client._contract import Contract  # (numpy and ml_dtypes: imported only when contracts are read)
+    from handoff_client.protocol.contract import (
+        Contract,  # (numpy and ml_dtypes: imported only when contracts are read)
+    )
 
     contract = Contract.from_json(json.loads(text), source=f"<embedded {DEFAULT_MODEL}.json>")
     return {contract.model: contract}
@@ -41,7 +43,7 @@ def load_contracts(folder: Path) -> dict[str, Contract]:
     """Every `*.json` manifest in `folder`, by model; ManifestError on the first that is not a contract."""
     if not folder.is_dir():
         raise ManifestError(f"{folder}: not a folder of contract manifests")
-    from handoff_client._contract import Contract
+    from handoff_client.protocol.contract import Contract
 
     contracts: dict[str, Contract] = {}
     sources: dict[str, Path] = {}

@@ -61,7 +61,7 @@ def push_worker(target: str, model: str, handoff_id: str, position: int, seed: i
 
 def pull_worker(target: str, model: str, handoff_id: str, seed: int, timeout: float) -> dict:
     from handoff_client import HandoffClient
-    from handoff_client._contract import cut_to_filled
+    from handoff_client.protocol.contract import cut_to_filled
 
     with HandoffClient(target) as client:
         contract = client.get_contract(model)

@@ -19,7 +19,7 @@ import math
 import re
 from collections.abc import Callable
 
-from handoff_client._lane import MAX_CONNECTIONS
+from handoff_client.protocol.lane import MAX_CONNECTIONS
 
 MAX_PORT = 65535
 MAX_SECONDS = 7 * 24 * 3600.0

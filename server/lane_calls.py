@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
-from handoff_client._contract import Contract
-from handoff_client._errors import LaneBroken, MalformedRequest, MessageTooLarge
-from handoff_client._frames import ChunkFrame, chunk_prefix
-from handoff_client._lane import (
+from handoff_client.protocol.contract import Contract
+from handoff_client.protocol.errors import LaneBroken, MalformedRequest, MessageTooLarge
+from handoff_client.protocol.frames import ChunkFrame, chunk_prefix
+from handoff_client.protocol.lane import (
     CAPABILITY_BYTES,
     MAX_LANE_CHUNK,
     READY,
@@ -25,17 +25,17 @@ from handoff_client._lane import (
     TcpFrames,
     connection_capabilities,
 )
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._ring import RingFrames, host_id, map_ring, new_ring, offer_ring, ring_bytes
-from handoff_client._seal import SealedFrames, new_salt
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.ring import RingFrames, host_id, map_ring, new_ring, offer_ring, ring_bytes
+from handoff_client.protocol.seal import SealedFrames, new_salt
 
-from .entries import StoredChunk
 from .lanes import Expected, LaneListener
+from .store.entries import StoredChunk
 
 
 class LaneCall:
     """One call's lane, from the capabilities' registration to the call's end: one connection, or on a TCP lane
-    striped over several, one per connection capability (handoff_client._lane.connection_capabilities)."""
+    striped over several, one per connection capability (handoff_client.protocol.lane.connection_capabilities)."""
 
     def __init__(self, lanes: LaneListener, capability: bytes, model: str, connections: int = 1) -> None:
         self.model = model
@@ -83,7 +83,7 @@ class LaneCall:
                 raise LaneBroken(self.model, f"connection {len(socks) - 1} of the lane's {len(self._expected)} came "
                                  "on the shared-memory lane: a striped lane's connections are all TCP")  # fmt: skip
         # A sealed connection's keys take a salt drawn afresh here, sent after READY: no two connections share a key,
-        # even two whose client presented one capability twice (handoff_client/_seal.py).
+        # even two whose client presented one capability twice (handoff_client/protocol/seal.py).
         salts = [new_salt() if self._lanes.sealed else b"" for _ in socks]
         try:
             for sock, salt in zip(socks, salts):

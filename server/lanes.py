@@ -12,7 +12,7 @@ share. A capability is single-use, void once its call ends, and bound to that ca
 known only to its handler.
 A connection on the Unix socket is accepted only from a peer of the broker's own user (SO_PEERCRED), and the
 socket sits in a directory only that user can enter.
-The wire is handoff_client/_lane.py and _ring.py (and docs/lanes.md).
+The wire is handoff_client/protocol/lane.py and ring.py (and docs/lanes.md).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from handoff_client._lane import CAPABILITY_BYTES, MAGIC, OPENING_TIMEOUT, tune
-from handoff_client._seal import sealed_opening
+from handoff_client.protocol.lane import CAPABILITY_BYTES, MAGIC, OPENING_TIMEOUT, tune
+from handoff_client.protocol.seal import sealed_opening
 
 from . import sockets
 
 logger = logging.getLogger(__name__)
 
-# OPENING_TIMEOUT (handoff_client._lane): seconds a new connection has to present its opening and be taken by its call
+# OPENING_TIMEOUT (handoff_client.protocol.lane): seconds a new connection has to present its opening and be taken by its call
 MAX_OPENINGS = 64  # connections being read for their opening at once; past it a new one takes the place of another
 # Seconds the listeners rest when accept fails for want of descriptors: the first rest, and the most (it doubles).
 ACCEPT_REST = (0.02, 1.0)
@@ -49,7 +49,7 @@ class Expected:
     """A call waiting for its lane: the connection that presented its capability, once one has."""
 
     capability: bytes
-    sealed_opening: bytes = b""  # what opens it on a sealed TCP lane (handoff_client/_seal.py)
+    sealed_opening: bytes = b""  # what opens it on a sealed TCP lane (handoff_client/protocol/seal.py)
     arrived: threading.Event = field(default_factory=threading.Event)
     sock: socket.socket | None = None
     closed: bool = False
@@ -126,7 +126,7 @@ class LaneListener:
         for listener in self._listeners:
             listener.setblocking(False)
         self.advertise_host = advertise_host  # empty: the client uses the host it reached the broker at
-        self.sealed = sealed  # the TCP lane's frames sealed (a broker serving TLS): handoff_client/_seal.py
+        self.sealed = sealed  # the TCP lane's frames sealed (a broker serving TLS): handoff_client/protocol/seal.py
         self.max_connections = max_connections
         self._expected: dict[bytes, Expected] = {}
         self._sealed_openings: dict[bytes, bytes] = {}  # what opens a sealed TCP lane: the capability it stands for

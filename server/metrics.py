@@ -142,7 +142,7 @@ def build_labels() -> dict[str, str]:
     import platform
     from importlib import metadata
 
-    from handoff_client._version import __version__
+    from handoff_client import __version__
 
     return {"version": __version__, "python": platform.python_version(), "grpc": metadata.version("grpcio")}
 

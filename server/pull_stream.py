@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from handoff_client._proto import handoff_pb2 as pb
+from handoff_client.protocol.messages import handoff_pb2 as pb
 
 from .admission import HeldWhileRunning
 from .lane_calls import LaneCall

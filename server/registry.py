@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from handoff_client._etcd import b64, etcd_call, parse_etcd_url
+from handoff_client.protocol.etcd import b64, etcd_call, parse_etcd_url
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The gRPC plumbing of the service, in one place: how each RPC of the .proto is registered (its codec, its kind
 of streaming), how a request that does not parse becomes INVALID_ARGUMENT, and how every error a handler raises
-becomes its status — ours by their reason (handoff_client/_errors.py maps each to its code and details, once),
+becomes its status — ours by their reason (handoff_client/protocol/errors.py maps each to its code and details, once),
 anything else a logged INTERNAL.
 """
 
@@ -13,11 +13,11 @@ from typing import Protocol
 
 import grpc
 from grpc_status import rpc_status
-from handoff_client._errors import HandoffError, InternalError, MalformedRequest, to_status
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import SERVICE, Malformed, decode_push_request, identity, message_classes
+from handoff_client.protocol.errors import HandoffError, InternalError, MalformedRequest, to_status
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.wire import SERVICE, Malformed, decode_push_request, identity, message_classes
 
-from .holdings import check_id
+from .store.holdings import check_id
 
 logger = logging.getLogger("handoff_broker.service")
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
-from handoff_client._errors import (
+from handoff_client.protocol.errors import (
     MAX_FIELD_CHARS,
     BrokerBusy,
     HandoffError,
@@ -22,10 +22,10 @@ from handoff_client._errors import (
     WaitTimedOut,
     bounded,
 )
-from handoff_client._frames import ChunkFrame
-from handoff_client._lane import OPENING_TIMEOUT
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import Malformed, contract_to_proto, shard_from_proto
+from handoff_client.protocol.frames import ChunkFrame
+from handoff_client.protocol.lane import OPENING_TIMEOUT
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.wire import Malformed, contract_to_proto, shard_from_proto
 
 from .admission import Admission, HeldWhileRunning
 from .auth import authorize_model, may_see

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from handoff_client._errors import ManifestError
+from handoff_client.protocol.errors import ManifestError
 
 
 def check_tls_files(cert: tuple[str, bytes], key: tuple[str, bytes], client_ca: tuple[str, bytes] | None) -> None:

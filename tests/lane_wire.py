@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 from handoff_client import HandoffClient
-from handoff_client._contract import Carried, Contract
-from handoff_client._errors import from_rpc_error
-from handoff_client._frames import crc32c
-from handoff_client._lane import new_capability, read_header, recv_exact
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import decode_pull_response, identity, method_path
+from handoff_client.protocol.contract import Carried, Contract
+from handoff_client.protocol.errors import from_rpc_error
+from handoff_client.protocol.frames import crc32c
+from handoff_client.protocol.lane import new_capability, read_header, recv_exact
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.wire import decode_pull_response, identity, method_path
 from support import open_channel
 
 ROWS, COLS = 1024, 1024  # 4 MiB a tensor in float32: well past the lane's 1 MiB floor

@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterable, Iterator
 import grpc
 from handoff_client import Contract, HandoffClient, HandoffError, UnknownHandoff
 from handoff_client._client import CHANNEL_OPTIONS
-from handoff_client._errors import from_rpc_error
-from handoff_client._frames import encode_chunk
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import decode_pull_response, identity, method_path
+from handoff_client.protocol.errors import from_rpc_error
+from handoff_client.protocol.frames import encode_chunk
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.wire import decode_pull_response, identity, method_path
 
 
 def header_frame(

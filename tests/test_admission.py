@@ -27,11 +27,11 @@ from handoff_client import (
     StaleClaim,
     UnknownTensor,
 )
-from handoff_client._errors import ShardLayout, from_rpc_error
-from handoff_client._frames import encode_chunk
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._shards import MAX_TP_SIZE
-from handoff_client._wire import identity, method_path
+from handoff_client.protocol.errors import ShardLayout, from_rpc_error
+from handoff_client.protocol.frames import encode_chunk
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.shards import MAX_TP_SIZE
+from handoff_client.protocol.wire import identity, method_path
 from support import chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
 from test_claims import wait_until
 

@@ -19,12 +19,12 @@ from broker_process import BrokerProcess
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from handoff_client import HandoffClient, HandoffError, RetryPolicy
-from handoff_client._contract import Carried, Contract
-from handoff_client._errors import from_rpc_error
-from handoff_client._lane import FRAME, new_capability, open_lane
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._seal import lane_key, receive_salt, sealed_opening
-from handoff_client._wire import decode_pull_response, identity, method_path
+from handoff_client.protocol.contract import Carried, Contract
+from handoff_client.protocol.errors import from_rpc_error
+from handoff_client.protocol.lane import FRAME, new_capability, open_lane
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.seal import lane_key, receive_salt, sealed_opening
+from handoff_client.protocol.wire import decode_pull_response, identity, method_path
 
 MiB = 1 << 20
 SECONDS = 20.0

@@ -1,6 +1,6 @@
 """Issue 27's suspicion, proven and made harmless: the broker remembers a capability whose call ended only for its
 last 4,096 voids, so a client may have it taken again after that. A sealed lane's keys take a salt the broker draws
-afresh for each connection (handoff_client/_seal.py), so that lane is keyed anew: no AES-GCM key and nonce ever
+afresh for each connection (handoff_client/protocol/seal.py), so that lane is keyed anew: no AES-GCM key and nonce ever
 seal twice. Without the salt the second lane put the very same ciphertexts on the wire (seen)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ pytest.importorskip("cryptography", reason="cryptography is not installed: pip i
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from handoff_broker.lane_calls import LaneCall
 from handoff_broker.lanes import VOIDED_REMEMBERED, LaneListener
-from handoff_client._frames import crc32c
-from handoff_client._lane import FRAME, MAGIC, READY, new_capability
-from handoff_client._seal import SALT_BYTES, lane_key, sealed_opening
+from handoff_client.protocol.frames import crc32c
+from handoff_client.protocol.lane import FRAME, MAGIC, READY, new_capability
+from handoff_client.protocol.seal import SALT_BYTES, lane_key, sealed_opening
 
 DATA = b"the same bytes, pulled twice"
 
@@ -89,7 +89,7 @@ def test_a_client_takes_a_sealed_lane_only_when_its_keys_take_the_brokers_salt()
     """A broker of 0.1 offered its sealed TCP lane without `salted_keys` (keys from the capability alone), and a
     sealing a client does not know must never be taken as the clear: both keep the client on the streams."""
     from handoff_client._lane_choice import choose
-    from handoff_client._proto import handoff_pb2 as pb
+    from handoff_client.protocol.messages import handoff_pb2 as pb
 
     offer = {"kind": pb.LANE_KIND_TCP, "host": "127.0.0.1", "port": 1, "min_bytes": 1}
     assert choose([pb.Lane(**offer, sealing=pb.LANE_SEALING_AES_256_GCM, salted_keys=True)], 1 << 20) is not None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 from handoff_broker.cli import build_parser
-from handoff_client import _errors
+from handoff_client.protocol import errors
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -20,7 +20,7 @@ CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
 def test_the_protocol_error_table_lists_every_reason_with_its_status_and_exception():
     rows = re.findall(r"^\| `([A-Z_]+)` \| `([A-Z_]+)` \| `(\w+)` \|", PROTOCOL, re.MULTILINE)
     table = {reason: (code, name) for reason, code, name in rows}
-    want = {reason: (cls.code.name, cls.__name__) for reason, cls in _errors.BY_REASON.items()}
+    want = {reason: (cls.code.name, cls.__name__) for reason, cls in errors.BY_REASON.items()}
     assert table == want
 
 

@@ -1,5 +1,5 @@
-"""An entry's state (server/entries.py) changes only through its transitions, which refuse the ones that make no
-sense; the store's timers (server/timers.py) look only at what is due and stay small however many hand-offs come
+"""An entry's state (server/store/entries.py) changes only through its transitions, which refuse the ones that make no
+sense; the store's timers (server/store/timers.py) look only at what is due and stay small however many hand-offs come
 and go."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-from handoff_broker.entries import Entry, Stage, StoreConfig
-from handoff_broker.timers import COMPACT_FLOOR, Timers
-from handoff_client._contract import Carried, Contract
+from handoff_broker.store.entries import Entry, Stage, StoreConfig
+from handoff_broker.store.timers import COMPACT_FLOOR, Timers
+from handoff_client.protocol.contract import Carried, Contract
 
 CONFIG = StoreConfig(max_bytes=1 << 20, ttl=300.0, lease=30.0, idle_timeout=30.0, resume_window=10.0)
 

@@ -28,10 +28,10 @@ from handoff_client import (
     WaitTimedOut,
     WrongLength,
 )
-from handoff_client._errors import from_rpc_error
-from handoff_client._frames import encode_chunk
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import method_path
+from handoff_client.protocol.errors import from_rpc_error
+from handoff_client.protocol.frames import encode_chunk
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.wire import method_path
 from support import chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
 
 MODEL = "every-dtype"  # 9 tensors of 7 x 13, one per dtype

@@ -445,7 +445,7 @@ def test_a_ticket_names_its_broker_even_after_it_left_the_set_and_a_gone_owner_i
 
 def test_a_broker_whose_lease_etcd_dropped_registers_again(etcd, start_broker, caplog):
     """Part 3, etcd's side: a keepalive answered without a TTL (the lease revoked behind the broker's back)."""
-    from handoff_client._etcd import etcd_call
+    from handoff_client.protocol.etcd import etcd_call
 
     broker = start_broker(etcd=etcd, etcd_lease=2)
     registration = broker.registration

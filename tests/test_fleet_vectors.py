@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from handoff_client import MalformedRequest
-from handoff_client._etcd import b64, parse_etcd_url
 from handoff_client._fleet import make_ticket, read_ticket, rendezvous, ticket_for
+from handoff_client.protocol.etcd import b64, parse_etcd_url
 
 FLEET = (Path(__file__).resolve().parent.parent / "docs" / "fleet.md").read_text()
 BROKERS = ["10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.3:50051"]

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import HandoffClient
-from handoff_client._frames import crc32c, encode_chunk
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import identity, method_path
+from handoff_client.protocol.frames import crc32c, encode_chunk
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.wire import identity, method_path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import open_channel

@@ -20,7 +20,7 @@ import pytest
 from conftest import assert_holds_nothing
 from handoff_client import Contract, HandoffClient
 from handoff_client._architectures import contract_from_config
-from handoff_client._shards import Shard, ShardContract
+from handoff_client.protocol.shards import Shard, ShardContract
 
 CONFIGS = Path(__file__).parent / "configs"
 TINY_NEXT = {  # a tiny Qwen3-Next: 4 key heads and 8 value heads of 64, a full-attention layer with 2 KV heads

@@ -13,13 +13,13 @@ import pytest
 from broker_process import BrokerProcess
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from handoff_client import HandoffClient
-from handoff_client._contract import Carried, Contract
-from handoff_client._errors import from_rpc_error
-from handoff_client._lane import FRAME, LaneClosed, new_capability, open_lane
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._ring import MAX_RING_BYTES, RING_BYTES, map_ring, new_ring, ring_bytes
-from handoff_client._seal import lane_key, receive_salt, sealed_opening
-from handoff_client._wire import identity, method_path
+from handoff_client.protocol.contract import Carried, Contract
+from handoff_client.protocol.errors import from_rpc_error
+from handoff_client.protocol.lane import FRAME, LaneClosed, new_capability, open_lane
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.ring import MAX_RING_BYTES, RING_BYTES, map_ring, new_ring, ring_bytes
+from handoff_client.protocol.seal import lane_key, receive_salt, sealed_opening
+from handoff_client.protocol.wire import identity, method_path
 
 MiB = 1 << 20
 TINY = Contract("tiny", 17, 64, (Carried("t0", 0, 16, 1024, "float32"),))  # 64 KiB

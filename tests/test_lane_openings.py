@@ -21,8 +21,8 @@ from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from handoff_broker.lanes import MAX_OPENINGS
 from handoff_client import HandoffClient
-from handoff_client._lane import OPENING_TIMEOUT, new_capability
-from handoff_client._proto import handoff_pb2 as pb
+from handoff_client.protocol.lane import OPENING_TIMEOUT, new_capability
+from handoff_client.protocol.messages import handoff_pb2 as pb
 from lane_wire import LARGE, TCP_ONLY, pull_call
 from support import open_channel
 

@@ -15,10 +15,11 @@ import pytest
 from certs import Authority
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import DEFAULT_CHUNK_BYTES, HandoffClient
-from handoff_client._contract import Carried, Contract
-from handoff_client._errors import CallCancelled, LaneBroken
-from handoff_client._frames import crc32c
-from handoff_client._lane import (
+from handoff_client._lane_choice import frame_bytes
+from handoff_client.protocol.contract import Carried, Contract
+from handoff_client.protocol.errors import CallCancelled, LaneBroken
+from handoff_client.protocol.frames import crc32c
+from handoff_client.protocol.lane import (
     CAPABILITY_BYTES,
     MAGIC,
     LaneClosed,
@@ -30,9 +31,8 @@ from handoff_client._lane import (
     send_end,
     send_frame,
 )
-from handoff_client._lane_choice import frame_bytes
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._seal import SealedFrames, receive_salt, sealed_opening
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.seal import SealedFrames, receive_salt, sealed_opening
 from lane_wire import (
     LARGE,
     TCP_ONLY,

@@ -50,7 +50,9 @@ def test_the_broker_modules_import_one_another_without_a_cycle():
 
 
 def test_no_module_of_the_broker_or_the_client_is_past_400_lines():
-    written = [p for p in [*SERVER.rglob("*.py"), *CLIENT.rglob("*.py")] if "_proto" not in p.parts]  # (not generated)
+    written = [
+        p for p in [*SERVER.rglob("*.py"), *CLIENT.rglob("*.py")] if "messages" not in p.parts
+    ]  # (not generated)
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in written}
     assert len(sizes) > 40
     assert {path: lines for path, lines in sizes.items() if lines > MAX_LINES} == {}

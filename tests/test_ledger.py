@@ -1,10 +1,10 @@
-"""The ledger (server/ledger.py): every byte and chunk the store holds is charged to one reservation, released
+"""The ledger (server/store/ledger.py): every byte and chunk the store holds is charged to one reservation, released
 exactly once, and the totals never go negative nor past their bounds."""
 
 from __future__ import annotations
 
 import pytest
-from handoff_broker.ledger import Ledger
+from handoff_broker.store.ledger import Ledger
 
 
 def test_a_reservation_gives_back_exactly_what_it_holds_once():

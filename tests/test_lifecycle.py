@@ -25,12 +25,12 @@ from handoff_client import (
     HandoffGone,
     PushAborted,
     WaitTimedOut,
-    _errors,
 )
 from handoff_client._client import retryable_pull, retryable_push
-from handoff_client._frames import decode_chunk, encode_chunk
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import identity, method_path
+from handoff_client.protocol import errors
+from handoff_client.protocol.frames import decode_chunk, encode_chunk
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.wire import identity, method_path
 from proxy import Proxy
 from support import broker_holds, chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
 from test_claims import wait_until
@@ -279,23 +279,23 @@ def test_what_the_client_retries_is_exactly_what_is_safe():
     kinds = {
         cls: cls._rebuild("x", {})
         for cls in [
-            *_errors.BY_REASON.values(),
-            _errors.BrokerUnavailable,
-            _errors.CallCancelled,
-            _errors.DeadlineExceeded,
+            *errors.BY_REASON.values(),
+            errors.BrokerUnavailable,
+            errors.CallCancelled,
+            errors.DeadlineExceeded,
         ]
     }
     assert {cls for cls, e in kinds.items() if retryable_push(e)} == {
-        _errors.BrokerUnavailable,
-        _errors.BrokerBusy,
-        _errors.LaneBroken,  # the retry goes on the stream
+        errors.BrokerUnavailable,
+        errors.BrokerBusy,
+        errors.LaneBroken,  # the retry goes on the stream
     }
     assert {cls for cls, e in kinds.items() if retryable_pull(e)} == {
-        _errors.BrokerUnavailable,
-        _errors.BrokerBusy,
-        _errors.LaneBroken,
-        _errors.CallCancelled,
-        _errors.PushAborted,
+        errors.BrokerUnavailable,
+        errors.BrokerBusy,
+        errors.LaneBroken,
+        errors.CallCancelled,
+        errors.PushAborted,
     }
 
 
@@ -358,7 +358,7 @@ def test_a_broken_resumable_push_is_kept_unseen_for_the_resume_window_then_freed
             client.pull(DEMO, "r", timeout=0.2)  # unseen
         wait_until(lambda: broker.store.stats().receiving == 0)  # the window passed: freed
         gate.set()
-        assert isinstance(raises_handoff_error(client.push_progress, DEMO, "r"), _errors.UnknownHandoff)
+        assert isinstance(raises_handoff_error(client.push_progress, DEMO, "r"), errors.UnknownHandoff)
     assert_holds_nothing(broker)
 
 
@@ -386,7 +386,7 @@ def test_resuming_a_push_that_is_not_kept_is_refused_so_the_client_pushes_it_who
     contract = contracts[DEMO]
     header = pb.PushHeader(model=DEMO, handoff_id="r", position=1, fingerprint=contract.fingerprint, resume=True)
     error = raises_handoff_error(raw_push, client.target, [pb.PushRequest(header=header).SerializeToString()])
-    assert isinstance(error, _errors.UnknownHandoff)
+    assert isinstance(error, errors.UnknownHandoff)
 
 
 def test_the_bytes_a_resume_sends_are_exactly_those_not_held():

@@ -8,8 +8,8 @@ from __future__ import annotations
 from conftest import seeded_tensors
 from handoff_broker.contracts import default_contracts
 from handoff_client import HandoffClient
-from handoff_client._frames import crc32c, handoff_digest
-from handoff_client._proto import handoff_pb2 as pb
+from handoff_client.protocol.frames import crc32c, handoff_digest
+from handoff_client.protocol.messages import handoff_pb2 as pb
 from support import chunk_frames, header_frame, open_channel, raw_pull, raw_push
 
 DEMO = default_contracts()["demo-hybrid"]

@@ -28,12 +28,12 @@ from handoff_client import (
     WrongLength,
 )
 from handoff_client._architectures import contract_from_config
-from handoff_client._contract import Carried, cut_to_filled
-from handoff_client._errors import BadChunk
-from handoff_client._frames import crc32c
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._shards import Shard, join_shards, shard_arrays
-from handoff_client._wire import contract_from_proto, contract_to_proto
+from handoff_client.protocol.contract import Carried, cut_to_filled
+from handoff_client.protocol.errors import BadChunk
+from handoff_client.protocol.frames import crc32c
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.shards import Shard, join_shards, shard_arrays
+from handoff_client.protocol.wire import contract_from_proto, contract_to_proto
 from proxy import Proxy
 from support import broker_holds, chunk_frames, header_frame, raises_handoff_error, raw_push
 

@@ -17,8 +17,8 @@ pytest.importorskip("cryptography", reason="cryptography is not installed: pip i
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from handoff_client._frames import crc32c
-from handoff_client._seal import SealedFrames, lane_key, sealed_opening
+from handoff_client.protocol.frames import crc32c
+from handoff_client.protocol.seal import SealedFrames, lane_key, sealed_opening
 
 SEALED = (Path(__file__).resolve().parent.parent / "docs" / "lanes.md").read_text().split("## The sealed TCP lane")[1]
 VECTORS = dict(re.findall(r"^\| ([\w ',]+) \| `([0-9a-f]+)` \|$", SEALED.split("\n## ")[0], re.MULTILINE))

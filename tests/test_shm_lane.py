@@ -23,14 +23,14 @@ from certs import Authority
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_broker.auth import TokenTable, hash_token
 from handoff_client import HandoffClient
-from handoff_client._contract import Carried, Contract
-from handoff_client._errors import BadChunk, CallCancelled, LaneBroken, from_rpc_error
-from handoff_client._frames import crc32c
-from handoff_client._lane import FRAME, new_capability
 from handoff_client._lane_choice import choose
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._ring import PIECE, RingFrames, map_ring, new_ring, open_ring_lane
-from handoff_client._wire import method_path
+from handoff_client.protocol.contract import Carried, Contract
+from handoff_client.protocol.errors import BadChunk, CallCancelled, LaneBroken, from_rpc_error
+from handoff_client.protocol.frames import crc32c
+from handoff_client.protocol.lane import FRAME, new_capability
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.ring import PIECE, RingFrames, map_ring, new_ring, open_ring_lane
+from handoff_client.protocol.wire import method_path
 from lane_wire import pull_call, push_call, result
 from support import open_channel, raises_handoff_error
 

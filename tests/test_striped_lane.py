@@ -16,9 +16,9 @@ import pytest
 from certs import Authority
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import HandoffClient
-from handoff_client._errors import LaneBroken, MalformedRequest
-from handoff_client._frames import crc32c, handoff_digest
-from handoff_client._lane import (
+from handoff_client.protocol.errors import LaneBroken, MalformedRequest
+from handoff_client.protocol.frames import crc32c, handoff_digest
+from handoff_client.protocol.lane import (
     MAGIC,
     READY,
     LaneClosed,
@@ -32,7 +32,7 @@ from handoff_client._lane import (
     send_end,
     send_frame,
 )
-from handoff_client._proto import handoff_pb2 as pb
+from handoff_client.protocol.messages import handoff_pb2 as pb
 from lane_wire import LARGE, TCP_ONLY, claimed_on_a_lane, lane_frames, lane_port, pull_call, push_call, result
 from support import raises_handoff_error
 

@@ -43,9 +43,9 @@ from handoff_client import (
     shard_arrays,
 )
 from handoff_client._architectures import contract_from_config
-from handoff_client._contract import Carried
-from handoff_client._frames import decode_chunk
-from handoff_client._shards import ShardContract, held_heads, pushes
+from handoff_client.protocol.contract import Carried
+from handoff_client.protocol.frames import decode_chunk
+from handoff_client.protocol.shards import ShardContract, held_heads, pushes
 from proxy import Proxy
 from support import broker_holds, chunk_frames, header_frame, open_channel, raises_handoff_error, raw_pull, raw_push
 from test_claims import wait_until

@@ -30,7 +30,7 @@ from conftest import seeded_tensors
 from handoff_broker import BrokerConfig, build_server
 from handoff_client import HandoffClient
 from handoff_client._architectures import contract_from_config
-from handoff_client._wire import identity, method_path
+from handoff_client.protocol.wire import identity, method_path
 from proxy import Proxy
 from support import chunk_frames, header_frame, open_channel
 

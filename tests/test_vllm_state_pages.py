@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip insta
 
 import vllm_pages
 from handoff_client._architectures import contract_from_config
-from handoff_client._shards import Shard, ShardContract, held_heads
+from handoff_client.protocol.shards import Shard, ShardContract, held_heads
 from handoff_client.vllm._state_pages import StateTensor, check_bound_views, learn_transposed, state_layout
 
 K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL = 2, 4, 16, 24, 4  # k_dim != v_dim: a wrong transpose cannot pass

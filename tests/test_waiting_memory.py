@@ -11,7 +11,7 @@ import numpy as np
 from broker_process import BrokerProcess
 from handoff_broker.app import STREAM_WINDOW_BYTES
 from handoff_client import HandoffClient, HandoffError, RetryPolicy
-from handoff_client._contract import Carried, Contract
+from handoff_client.protocol.contract import Carried, Contract
 
 MiB = 1 << 20
 BIG = Contract("big", 2, 64, (Carried("b", 0, 2048, 4096, "float32"),))  # 32 MiB

@@ -10,10 +10,11 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 from handoff_broker.service import HandoffBrokerServicer
-from handoff_client import HandoffClient, RetryPolicy, _errors
-from handoff_client._frames import ChunkFrame, crc32c, decode_chunk, encode_chunk
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._wire import SERVICE, Malformed, decode_pull_response, decode_push_request
+from handoff_client import HandoffClient, RetryPolicy
+from handoff_client.protocol import errors
+from handoff_client.protocol.frames import ChunkFrame, crc32c, decode_chunk, encode_chunk
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.wire import SERVICE, Malformed, decode_pull_response, decode_push_request
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -37,7 +38,7 @@ def test_the_committed_generated_module_matches_the_proto(tmp_path: Path):
     _drop_json_names(want.message_type)  # protoc leaves them out of the generated Python module
     have = descriptor_pb2.FileDescriptorProto()
     pb.DESCRIPTOR.CopyToProto(have)
-    assert have == want, "client/_proto is stale: run `python scripts/generate_proto.py`"
+    assert have == want, "client/protocol/messages is stale: run `python scripts/generate_proto.py`"
 
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
@@ -106,63 +107,63 @@ def test_the_servicer_implements_every_rpc_the_proto_declares():
 
 def test_every_error_reason_in_the_proto_has_its_exception_and_back():
     declared = set(pb.ErrorReason.keys()) - {"ERROR_REASON_UNSPECIFIED"}
-    assert declared == set(_errors.BY_REASON)
+    assert declared == set(errors.BY_REASON)
 
 
 EXAMPLES = [
-    _errors.UnknownTensor("m", "t"),
-    _errors.MissingTensor("m", "t"),
-    _errors.WrongLength("m", "t", 6, 9, "float32", 4),
-    _errors.WrongLayout("m", "t", "(2, 3) float32", "(3, 2) float32"),
-    _errors.BadChunk("m", "t", 4, 8, "overlaps bytes already received"),
-    _errors.PositionOutOfRange("m", 9, 9),
-    _errors.MalformedRequest("no header", "m"),
-    _errors.UnknownModel("m", ["a", "b"]),
-    _errors.UnknownHandoff("m", "r"),
-    _errors.HandoffGone("m", "r", "expired"),
-    _errors.HandoffExists("m", "r", "differs"),
-    _errors.FingerprintMismatch("m", "aa", "bb"),
-    _errors.AlreadyClaimed("m", "r"),
-    _errors.StaleClaim("m", "r", 1, "is superseded"),
-    _errors.WaitTimedOut("m", "r", 1.5),
-    _errors.CapacityExhausted("m", 10, 5, 8),
-    _errors.PushAborted("m", "r"),
-    _errors.MessageTooLarge("m", 10, 8),
-    _errors.BrokerBusy("pulls waiting for their push", 3),
-    _errors.LaneBroken("demo-hybrid", "the push's lane broke: the lane closed after 10 of 1048576 bytes"),
-    _errors.Unauthenticated("no bearer token"),
-    _errors.PermissionDenied("prefill-pool", "has roles prefill; PullHandoff needs decode"),
-    _errors.Draining(),
-    _errors.HandoffCancelled("m", "r"),
-    _errors.InternalError(),
-    _errors.DigestMismatch("m", "r", "aa", "bb"),
-    _errors.NotInShard("m", "t", 1, 2, "it is not split, and rank 0 pushes it"),
-    _errors.ShardLayout("m", "`t` has 6 heads, which 4 ranks cannot share", "t"),
-    _errors.ShardMismatch("m", "r", "pushed", 2, 4),
-    _errors.BrokerUnavailable("failed to connect to all addresses"),
-    _errors.CallCancelled("the call was cancelled"),
-    _errors.DeadlineExceeded("Deadline Exceeded"),
-    _errors.RpcFailed(grpc.StatusCode.UNIMPLEMENTED, "Method not found"),
+    errors.UnknownTensor("m", "t"),
+    errors.MissingTensor("m", "t"),
+    errors.WrongLength("m", "t", 6, 9, "float32", 4),
+    errors.WrongLayout("m", "t", "(2, 3) float32", "(3, 2) float32"),
+    errors.BadChunk("m", "t", 4, 8, "overlaps bytes already received"),
+    errors.PositionOutOfRange("m", 9, 9),
+    errors.MalformedRequest("no header", "m"),
+    errors.UnknownModel("m", ["a", "b"]),
+    errors.UnknownHandoff("m", "r"),
+    errors.HandoffGone("m", "r", "expired"),
+    errors.HandoffExists("m", "r", "differs"),
+    errors.FingerprintMismatch("m", "aa", "bb"),
+    errors.AlreadyClaimed("m", "r"),
+    errors.StaleClaim("m", "r", 1, "is superseded"),
+    errors.WaitTimedOut("m", "r", 1.5),
+    errors.CapacityExhausted("m", 10, 5, 8),
+    errors.PushAborted("m", "r"),
+    errors.MessageTooLarge("m", 10, 8),
+    errors.BrokerBusy("pulls waiting for their push", 3),
+    errors.LaneBroken("demo-hybrid", "the push's lane broke: the lane closed after 10 of 1048576 bytes"),
+    errors.Unauthenticated("no bearer token"),
+    errors.PermissionDenied("prefill-pool", "has roles prefill; PullHandoff needs decode"),
+    errors.Draining(),
+    errors.HandoffCancelled("m", "r"),
+    errors.InternalError(),
+    errors.DigestMismatch("m", "r", "aa", "bb"),
+    errors.NotInShard("m", "t", 1, 2, "it is not split, and rank 0 pushes it"),
+    errors.ShardLayout("m", "`t` has 6 heads, which 4 ranks cannot share", "t"),
+    errors.ShardMismatch("m", "r", "pushed", 2, 4),
+    errors.BrokerUnavailable("failed to connect to all addresses"),
+    errors.CallCancelled("the call was cancelled"),
+    errors.DeadlineExceeded("Deadline Exceeded"),
+    errors.RpcFailed(grpc.StatusCode.UNIMPLEMENTED, "Method not found"),
 ]
 
 
 def test_the_examples_cover_every_reason():
-    assert {type(e).reason for e in EXAMPLES} == set(_errors.BY_REASON)
+    assert {type(e).reason for e in EXAMPLES} == set(errors.BY_REASON)
 
 
 @pytest.mark.parametrize("error", EXAMPLES, ids=lambda e: type(e).__name__)
 def test_an_error_crosses_the_wire_as_the_same_class_code_message_and_fields(error):
-    status = _errors.to_status(error)
+    status = errors.to_status(error)
     assert status.code == error.code.value[0]
-    back = _errors.from_status(error.code, status.message, list(status.details))
+    back = errors.from_status(error.code, status.message, list(status.details))
     assert type(back) is type(error)
     assert (back.message, back.fields) == (error.message, error.fields)
 
 
 def test_a_status_without_our_details_maps_by_its_code():
-    assert type(_errors.from_status(grpc.StatusCode.UNAVAILABLE, "down", [])) is _errors.BrokerUnavailable
-    other = _errors.from_status(grpc.StatusCode.UNIMPLEMENTED, "nope", [])
-    assert isinstance(other, _errors.RpcFailed) and other.status is grpc.StatusCode.UNIMPLEMENTED
+    assert type(errors.from_status(grpc.StatusCode.UNAVAILABLE, "down", [])) is errors.BrokerUnavailable
+    other = errors.from_status(grpc.StatusCode.UNIMPLEMENTED, "nope", [])
+    assert isinstance(other, errors.RpcFailed) and other.status is grpc.StatusCode.UNIMPLEMENTED
 
 
 @pytest.mark.parametrize("code", [c for c in grpc.StatusCode if c is not grpc.StatusCode.OK], ids=lambda c: c.name)
@@ -170,7 +171,7 @@ def test_every_grpc_failure_maps_to_a_reason_of_the_error_model_and_keeps_its_co
     """A status without our details (a proxy's, gRPC's own, a broker that cannot be reached) still becomes an error
     with a reason the .proto declares, never ERROR_REASON_UNSPECIFIED; the vLLM connector once logged a broker it
     could not reach as `ERROR_REASON_UNSPECIFIED failed to connect to all addresses`."""
-    error = _errors.from_status(code, "what gRPC said", [])
+    error = errors.from_status(code, "what gRPC said", [])
     assert error.reason in set(pb.ErrorReason.keys()) and error.reason != "ERROR_REASON_UNSPECIFIED", (code, error)
     assert error.code is code and "what gRPC said" in error.message
 
@@ -178,13 +179,13 @@ def test_every_grpc_failure_maps_to_a_reason_of_the_error_model_and_keeps_its_co
 def test_every_error_class_has_a_reason_of_the_error_model():
     """Every class a call can raise or rebuild has its reason; only the three families no code raises (their
     members do) are left without one."""
-    families = {_errors.NotFound, _errors.Precondition, _errors.ContractViolation}
+    families = {errors.NotFound, errors.Precondition, errors.ContractViolation}
 
     def every(cls: type) -> list[type]:
         return [cls] + [each for sub in cls.__subclasses__() for each in every(sub)]
 
-    for cls in every(_errors.HandoffError):
-        if cls is not _errors.HandoffError and cls not in families:
+    for cls in every(errors.HandoffError):
+        if cls is not errors.HandoffError and cls not in families:
             assert cls.reason in set(pb.ErrorReason.keys()) and cls.reason != "ERROR_REASON_UNSPECIFIED", cls
 
 
@@ -194,7 +195,7 @@ def test_a_broker_that_cannot_be_reached_is_broker_unavailable():
         address = f"127.0.0.1:{closed.getsockname()[1]}"  # bound, never listening: every connection is refused
         with (
             HandoffClient(address, timeout=2, retry=RetryPolicy(attempts=1)) as client,
-            pytest.raises(_errors.BrokerUnavailable) as failed,
+            pytest.raises(errors.BrokerUnavailable) as failed,
         ):
             client.status()
     assert failed.value.reason == "BROKER_UNAVAILABLE" and failed.value.code is grpc.StatusCode.UNAVAILABLE

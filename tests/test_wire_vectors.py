@@ -8,8 +8,8 @@ import hashlib
 import json
 import struct
 
-from handoff_client._contract import Carried, Contract
-from handoff_client._frames import handoff_digest
+from handoff_client.protocol.contract import Carried, Contract
+from handoff_client.protocol.frames import handoff_digest
 
 # (tensor index, offset, length, crc32c) of three chunks, in the order they arrived
 CHUNKS = [(0, 0, 4, 0x12345678), (1, 1048576, 6, 0xDEADBEEF), (0, 4, 4, 0xCAFEF00D)]

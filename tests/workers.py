@@ -27,11 +27,11 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
 from conftest import seeded_tensors
 from handoff_client import HandoffClient, tune_allocator
-from handoff_client._frames import crc32c
-from handoff_client._lane import new_capability
-from handoff_client._proto import handoff_pb2 as pb
-from handoff_client._ring import open_ring_lane
-from handoff_client._wire import identity, method_path
+from handoff_client.protocol.frames import crc32c
+from handoff_client.protocol.lane import new_capability
+from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.ring import open_ring_lane
+from handoff_client.protocol.wire import identity, method_path
 from support import chunk_frames, header_frame, open_channel, raw_pull
 
 

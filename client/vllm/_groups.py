@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from handoff_client._contract import Carried, Contract
+from handoff_client.protocol.contract import Carried, Contract
 
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 NULL_BLOCK = 0

@@ -2,7 +2,7 @@
 
 vLLM's decoder always computes the prompt's last token itself: a load that covers the whole prompt is cut back by
 one (`Scheduler._update_waiting_for_remote_kv`: `num_computed_tokens = num_tokens - 1`). For attention caches that
-rewrites one row with the same values. A contract that is not `rewindable` (handoff_client._contract: a recurrent
+rewrites one row with the same values. A contract that is not `rewindable` (handoff_client.protocol.contract: a recurrent
 state, a conv ring, a sliding window's ring shorter than the context) cannot be run back: loading the state after N
 tokens and running token N-1 again is silently wrong. So, as the contract states it (docs/contracts.md):
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from handoff_client._contract import Contract
+from handoff_client.protocol.contract import Contract
 
 from ._groups import GroupMap, Kind
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from handoff_client._contract import Contract
 from handoff_client._fleet import make_ticket
+from handoff_client.protocol.contract import Contract
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ._groups import BlockIds, GroupMap, extend, per_group

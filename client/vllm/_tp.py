@@ -6,7 +6,7 @@ first rank holding it, the tensors not split only by rank 0); a rank with nothin
 part, since the broker makes a hand-off pullable only once every rank has pushed. Each decode rank q of d pulls
 `shard=(q, d)` and gets its heads whatever TP size pushed (the broker reshards: docs/client.md, "Tensor-parallel engines").
 
-The check: the broker's rule (`handoff_client._shards.held_heads`: rank r of t holds heads [r·H/t, (r+1)·H/t), or
+The check: the broker's rule (`handoff_client.protocol.shards.held_heads`: rank r of t holds heads [r·H/t, (r+1)·H/t), or
 head r·H/t when H < t and vLLM replicates) is compared, at start-up, with what vLLM's own weight loader gives the
 rank. A one-channel-per-head `QKVParallelLinear` (vLLM's class, a few floats) is built in the worker, head i's key
 weight is set to i through vLLM's `weight_loader`, and the rank's key rows are read back: the heads vLLM's model
@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from handoff_client._contract import Contract
-from handoff_client._shards import Shard, held_heads, view
+from handoff_client.protocol.contract import Contract
+from handoff_client.protocol.shards import Shard, held_heads, view
 
 
 def tp_shard() -> Shard:

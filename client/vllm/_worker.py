@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 from handoff_client import HandoffClient, HandoffError
-from handoff_client._contract import Contract
-from handoff_client._errors import FingerprintMismatch
-from handoff_client._shards import Shard
 from handoff_client._torch import from_numpy, to_numpy
+from handoff_client.protocol.contract import Contract
+from handoff_client.protocol.errors import FingerprintMismatch
+from handoff_client.protocol.shards import Shard
 
 from ._groups import GroupMap, Kind, group_map
 from ._layouts import Geometry, PageLayout, layout_for

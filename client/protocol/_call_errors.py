@@ -1,5 +1,5 @@
 """The errors of a call the broker cannot act on, or cannot finish: malformed, naming what is not there, against
-the hand-off's state, out of time or room, refused, broken. client/_errors.py is the whole tree and its mapping to
+the hand-off's state, out of time or room, refused, broken. client/protocol/errors.py is the whole tree and its mapping to
 status."""
 
 from __future__ import annotations

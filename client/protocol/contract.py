@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._dtypes import DTYPES, numpy_dtype
-from ._errors import (
+from .dtypes import DTYPES, numpy_dtype
+from .errors import (
     BadChunk,
     ManifestError,
     MissingTensor,
@@ -53,7 +53,7 @@ without `rows_are_positions` (or with it false) is carried whole at every positi
 class Carried:
     """One tensor a decode step carries: its name, its layer, its declared shape and element type, and how its
     columns split into attention heads across tensor-parallel ranks (`heads` = 0: not split, every rank holds it
-    whole; see handoff_client/_shards.py)."""
+    whole; see handoff_client/protocol/shards.py)."""
 
     name: str
     layer: int

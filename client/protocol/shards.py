@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ._contract import Carried, Contract, Handoff
-from ._errors import NotInShard, ShardLayout
+from .contract import Carried, Contract, Handoff
+from .errors import NotInShard, ShardLayout
 
 
 @dataclass(frozen=True)

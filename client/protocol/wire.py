@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from google.protobuf import message_factory
 
-from ._contract import Carried, Contract
-from ._frames import ChunkFrame, decode_chunk, encode_chunk
-from ._proto import handoff_pb2 as pb
-from ._shards import Shard, as_shard
+from .contract import Carried, Contract
+from .frames import ChunkFrame, decode_chunk, encode_chunk
+from .messages import handoff_pb2 as pb
+from .shards import Shard, as_shard
 
 SERVICE = pb.DESCRIPTOR.services_by_name["HandoffBroker"]
 SERVICE_NAME = SERVICE.full_name

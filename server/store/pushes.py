@@ -12,9 +12,9 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from handoff_client._contract import Contract, TensorSpans
-from handoff_client._errors import BadChunk, HandoffExists, MissingTensor
-from handoff_client._frames import ChunkFrame, crc32c, handoff_digest
+from handoff_client.protocol.contract import Contract, TensorSpans
+from handoff_client.protocol.errors import BadChunk, HandoffExists, MissingTensor
+from handoff_client.protocol.frames import ChunkFrame, crc32c, handoff_digest
 
 from .entries import StoredChunk
 

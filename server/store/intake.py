@@ -4,7 +4,7 @@ its commit, its break (suspended when resumable) and its resume.
 What is decided here: an id held or delivered is pushed again only as a byte-identical repeat; an id still being
 pushed is replaced by the newer push (its stream is presumed dead), never by an older one woken late; a push
 reserves its whole size at its header, waiting for room only while its caller is there; a broken resumable push
-is kept unseen for the resume window. Runs on the store's holdings (server/holdings.py), under its lock.
+is kept unseen for the resume window. Runs on the store's holdings (server/store/holdings.py), under its lock.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import math
 import threading
 from collections.abc import Callable
 
-from handoff_client._contract import Contract, TensorSpans
-from handoff_client._errors import (
+from handoff_client.protocol.contract import Contract, TensorSpans
+from handoff_client.protocol.errors import (
     CallCancelled,
     CapacityExhausted,
     Draining,
@@ -29,7 +29,7 @@ from handoff_client._errors import (
     PushAborted,
     UnknownHandoff,
 )
-from handoff_client._shards import WHOLE, Shard, view
+from handoff_client.protocol.shards import WHOLE, Shard, view
 
 from .entries import CHUNK_FLOOR, WAIT_SLICE, Entry, HandoffKey, Interrupt, StoredChunk, by_tensor, run_interrupts
 from .groups import Group, TensorParallel, part_key

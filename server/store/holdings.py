@@ -2,8 +2,8 @@
 the timers — and the one way anything leaves (`free`, `end_group`), so that leaving always releases its bytes,
 leaves its tombstone, wakes its waiters and ends its group the same way.
 
-The store's parts (server/intake.py for pushes, server/delivery.py for claims, server/groups.py for tensor-parallel
-hand-offs, server/store.py for the rest) share one `Holdings`. Every method here runs with `lock` held.
+The store's parts (server/store/intake.py for pushes, server/store/delivery.py for claims, server/store/groups.py for tensor-parallel
+hand-offs, server/store/store.py for the rest) share one `Holdings`. Every method here runs with `lock` held.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from handoff_client._contract import Contract
-from handoff_client._errors import MalformedRequest, UnknownModel
+from handoff_client.protocol.contract import Contract
+from handoff_client.protocol.errors import MalformedRequest, UnknownModel
 
 from .entries import MAX_HANDOFF_ID, MAX_TOMBSTONES, Entry, HandoffKey, Interrupt, StoreConfig, StoreEvents, Tombstone
 from .ledger import Ledger

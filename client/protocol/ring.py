@@ -30,7 +30,7 @@ from functools import cache
 
 import numpy as np
 
-from ._lane import (
+from .lane import (
     FRAME,
     OPENING_TIMEOUT,
     READY,

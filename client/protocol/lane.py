@@ -5,7 +5,7 @@ the broker alike. The TCP lane, in short (all integers little-endian):
 
     opening   the client connects, sends MAGIC (8 bytes) and the call's capability (32 bytes); the broker answers
               one byte, READY, once the call is ready for the bytes (on a sealed lane followed by its salt for the
-              keys, _seal.py), or closes the connection (the call's status says why)
+              keys, seal.py), or closes the connection (the call's status says why)
     frames    one way only (pusher → broker, broker → puller): a 20-byte header, then `length` bytes of tensor data
                   u32 index    the tensor's index in the contract's carried list (of the call's view: the filled
                                contract at the position, cut to the shard for a sharded call)
@@ -19,7 +19,7 @@ the broker alike. The TCP lane, in short (all integers little-endian):
 
 Every frame is checked as on the gRPC path (bounds, overlap, CRC32C), and the digest covers the same
 (index, offset, length, crc32c) entries; the commit, the digest, confirm and every error travel on the gRPC call.
-The shared-memory lane (_ring.py) sends the same headers on a Unix socket and the bytes through shared memory; both
+The shared-memory lane (ring.py) sends the same headers on a Unix socket and the bytes through shared memory; both
 are `Frames`, which is all the client's and the broker's calls see of a lane.
 """
 

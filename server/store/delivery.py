@@ -4,8 +4,8 @@ broken), and the confirm that lets the hand-off go.
 
 What is decided here: one claimant at a time, each claim numbered once for the store's life, so only the current
 claim can confirm; a claim made while the push is under way streams the chunks as they arrive but ends only after
-the commit; a tensor-parallel pull is one rank's part (server/groups.py makes the parts). Runs on the store's
-holdings (server/holdings.py), under its lock.
+the commit; a tensor-parallel pull is one rank's part (server/store/groups.py makes the parts). Runs on the store's
+holdings (server/store/holdings.py), under its lock.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from handoff_client._errors import (
+from handoff_client.protocol.errors import (
     AlreadyClaimed,
     CapacityExhausted,
     Draining,
@@ -26,7 +26,7 @@ from handoff_client._errors import (
     UnknownHandoff,
     WaitTimedOut,
 )
-from handoff_client._shards import WHOLE, Shard, ShardContract
+from handoff_client.protocol.shards import WHOLE, Shard, ShardContract
 
 from .entries import (
     FEED_BATCH,

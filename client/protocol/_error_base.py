@@ -1,4 +1,4 @@
-"""The base of the error model (client/_errors.py): what every error carries, and how much of what a caller sent
+"""The base of the error model (client/protocol/errors.py): what every error carries, and how much of what a caller sent
 it may echo. A leaf: the error families import it, and it imports nothing of theirs."""
 
 from __future__ import annotations

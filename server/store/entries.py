@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from handoff_client._contract import Contract, TensorSpans
+from handoff_client.protocol.contract import Contract, TensorSpans
 
 from .ledger import Reservation
 

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from handoff_client._client import DEFAULT_CHUNK_BYTES
-from handoff_client._contract import Contract
-from handoff_client._frames import decode_chunk, encode_chunk, handoff_digest
-from handoff_client._shards import Shard, ShardContract
+from handoff_client.protocol.contract import Contract
+from handoff_client.protocol.frames import decode_chunk, encode_chunk, handoff_digest
+from handoff_client.protocol.limits import DEFAULT_CHUNK_BYTES
+from handoff_client.protocol.shards import Shard, ShardContract
 
 from .entries import StoredChunk
 

@@ -35,7 +35,7 @@ import secrets
 import socket
 import struct
 
-from ._lane import FRAME, INFO, FrameHeader, LaneClosed, hkdf_sha256, parse_header, recv_exact
+from .lane import FRAME, INFO, FrameHeader, LaneClosed, hkdf_sha256, parse_header, recv_exact
 
 TAG_BYTES = 16
 SALT_BYTES = 32  # the broker's salt, sent after READY on each connection of a sealed lane

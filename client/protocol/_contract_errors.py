@@ -1,6 +1,6 @@
 """The errors of a hand-off that does not meet its contract: the seed's checks by name (Unknown, Missing, Length,
 Position) and the ones chunks, layouts and shards add. All travel as INVALID_ARGUMENT but PositionOutOfRange
-(OUT_OF_RANGE); client/_errors.py is the whole tree and its mapping to status."""
+(OUT_OF_RANGE); client/protocol/errors.py is the whole tree and its mapping to status."""
 
 from __future__ import annotations
 
