@@ -17,7 +17,14 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip insta
 import vllm_pages
 from handoff_client._architectures import contract_from_config
 from handoff_client.protocol.shards import Shard, ShardContract, held_heads
-from handoff_client.vllm._state_pages import StateTensor, check_bound_views, learn_transposed, state_layout
+from handoff_client.vllm._state_pages import (
+    Orientation,
+    StateTensor,
+    check_bound_views,
+    learn_orientation,
+    learn_transposed,
+    state_layout,
+)
 
 K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL = 2, 4, 16, 24, 4  # k_dim != v_dim: a wrong transpose cannot pass
 QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -124,9 +131,22 @@ def expected(config: dict, layer: int, conv: torch.Tensor, s: torch.Tensor, shar
     return out
 
 
+def held(s: torch.Tensor, orientation: Orientation, shape) -> torch.Tensor:
+    """Per-head S_h (heads, a, b) as a page in `orientation` holds it, in vLLM's state shape."""
+    if orientation is Orientation.TRANSPOSED:
+        return s.transpose(1, 2)
+    return s.reshape(shape) if orientation is Orientation.REINTERPRETED else s
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("kind", ["gdn", "mamba2", "mamba2-one-group"])
-def test_a_state_page_converts_to_the_contracts_tensors_and_back(kind, tp, conv_layout):
+@pytest.mark.parametrize(
+    ("kind", "orientation"),
+    [("gdn", Orientation.TRANSPOSED), ("gdn", Orientation.REINTERPRETED), ("mamba2", Orientation.AS_IS),
+     ("mamba2-one-group", Orientation.AS_IS)],
+)  # fmt: skip
+def test_a_state_page_converts_to_the_contracts_tensors_and_back(kind, orientation, tp, conv_layout):
+    """GDN pages as vLLM's GPU kernels hold them (S_h transposed, as its calculator's shape says) and as its CPU
+    kernels do (S_h row-major in that shape's memory); Mamba2 pages as is."""
     config = QWEN3_NEXT if kind == "gdn" else {**NEMOTRON_H, "n_groups": GROUPS[kind]}
     shapes, dtypes, mamba_type = vllm_state(kind, tp)
     conv, s = whole_state(kind, seed=1)
@@ -134,10 +154,9 @@ def test_a_state_page_converts_to_the_contracts_tensors_and_back(kind, tp, conv_
         pages, (conv_view, state_view) = bound_views(shapes, dtypes, mamba_type)
         mine_conv, mine_s = rank_state(kind, conv, s, rank, tp)
         conv_view[BLOCK_ID] = mine_conv.t() if conv_layout == "DS" else mine_conv  # through vLLM's own views
-        state_view[BLOCK_ID] = mine_s.transpose(1, 2) if kind == "gdn" else mine_s  # vLLM: (v_dim, k_dim) per head
-        transposed = learn_transposed(mamba_type.name)
+        state_view[BLOCK_ID] = held(mine_s, orientation, state_view.shape[1:])
         layout = state_layout(contract_tensors(config, 0, Shard(rank, tp)), shapes, dtypes,
-                              conv_dim_first=conv_layout == "DS", transposed=transposed)  # fmt: skip
+                              conv_dim_first=conv_layout == "DS", orientation=orientation)  # fmt: skip
         check_bound_views(layout, pages, (conv_view, state_view), "layers.0")  # the views vLLM's layer reads
         got = layout.gather(pages, BLOCK_ID)
         want = expected(config, 0, conv, s, Shard(rank, tp))
@@ -156,6 +175,41 @@ def test_a_state_page_converts_to_the_contracts_tensors_and_back(kind, tp, conv_
 def test_vllms_orientation_is_learned_from_its_own_calculator():
     assert learn_transposed("GDN_ATTN") is True  # (v_heads, v_dim, k_dim) against transformers' (k_dim, v_dim)
     assert learn_transposed("MAMBA2") is False  # (heads, head_dim, state) as transformers keeps it
+    assert learn_orientation("MAMBA2") is Orientation.AS_IS
+
+
+def test_the_state_vllms_cpu_gdn_kernel_writes_is_read_as_transformers_s_h():
+    """One decode step of the CPU build's own gated-delta-net kernel, from a zero state with beta 1 and no decay,
+    writes S_h = k v^T (transformers' (k_dim, v_dim) per head) into a page from vLLM's allocator, through the view
+    its CPU path takes of it; the connector reads it back as the contract's `memory[a, h·v_dim + b] = S_h[a, b]`.
+    (Read as vLLM's calculator's shape says, transposed per head, it was each head's S_h transposed.)"""
+    import types
+
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _ssm_state_view
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU build's kernel")
+    orientation = learn_orientation("GDN_ATTN")
+    assert orientation is Orientation.REINTERPRETED
+    shapes, dtypes, mamba_type = vllm_state("gdn", 1)
+    dtypes = (torch.bfloat16, torch.bfloat16)  # the CPU build's resolved state dtype
+    pages, (_, state_view) = bound_views(shapes, dtypes, mamba_type)
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(1, 1, V_HEADS, K_DIM, generator=g).to(torch.bfloat16)  # one key head per value head
+    v = torch.randn(1, 1, V_HEADS, V_DIM, generator=g).to(torch.bfloat16)
+    q = torch.zeros(1, 1, V_HEADS, K_DIM, dtype=torch.bfloat16)
+    no_decay, beta_one = (torch.full((1, V_HEADS), x, dtype=torch.bfloat16) for x in (-30.0, 30.0))
+    zero = torch.zeros(V_HEADS, dtype=torch.bfloat16)
+    ops.fused_sigmoid_gating_delta_rule_update_cpu(
+        zero, zero, q, k, v, no_decay, beta_one, _ssm_state_view(types.SimpleNamespace(kv_cache=(None, state_view))),
+        torch.tensor([BLOCK_ID], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), False)  # fmt: skip
+    layout = state_layout(contract_tensors(QWEN3_NEXT, 0, Shard(0, 1)), shapes, dtypes, conv_dim_first=False,
+                          orientation=orientation)  # fmt: skip
+    memory = layout.gather(pages, BLOCK_ID)["layers.0.linear_attn.memory"].float()  # (k_dim, V·v_dim)
+    s_h = k[0, 0].float()[:, :, None] * v[0, 0].float()[:, None, :]  # (V, k_dim, v_dim)
+    torch.testing.assert_close(memory, s_h.permute(1, 0, 2).reshape(K_DIM, V_HEADS * V_DIM), rtol=0.02, atol=0.02)
 
 
 def test_a_contract_that_does_not_hold_vllms_state_is_refused_naming_it():
@@ -164,9 +218,11 @@ def test_a_contract_that_does_not_hold_vllms_state_is_refused_naming_it():
     shapes, dtypes, _ = vllm_state("gdn", 1)
     tensors = contract_tensors(QWEN3_NEXT, 0, Shard(0, 1))
     with pytest.raises(UnsupportedLayout, match="conv tensors have .* channels, vLLM's conv state"):
-        state_layout(tensors[1:], shapes, dtypes, conv_dim_first=False, transposed=True, layer="layers.0")
+        state_layout(
+            tensors[1:], shapes, dtypes, conv_dim_first=False, orientation=Orientation.TRANSPOSED, layer="layers.0"
+        )
     with pytest.raises(UnsupportedLayout, match=r"does not hold vLLM's recurrent state \(4, 24, 16\)"):
-        state_layout(tensors, shapes, dtypes, conv_dim_first=False, transposed=False, layer="layers.0")
+        state_layout(tensors, shapes, dtypes, conv_dim_first=False, orientation=Orientation.AS_IS, layer="layers.0")
 
 
 def test_state_views_other_than_the_ones_vllm_bound_are_refused():
@@ -175,7 +231,7 @@ def test_state_views_other_than_the_ones_vllm_bound_are_refused():
     shapes, dtypes, mamba_type = vllm_state("gdn", 1)
     pages, bound = bound_views(shapes, dtypes, mamba_type)
     layout = state_layout(contract_tensors(QWEN3_NEXT, 0, Shard(0, 1)), shapes, dtypes, conv_dim_first=False,
-                          transposed=True)  # fmt: skip
+                          orientation=Orientation.TRANSPOSED)  # fmt: skip
     swapped = (bound[0], bound[1].transpose(2, 3))  # a layer that bound its state the other way round
     with pytest.raises(UnsupportedLayout, match="layers.0: the connector's recurrent state view"):
         check_bound_views(layout, pages, swapped, "layers.0")

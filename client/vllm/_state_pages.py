@@ -13,13 +13,23 @@ The contract (handoff_client._hybrids, whatever it says at the time) carries the
 columns, in the contract's order, are the channels in the page's order (one `conv_ring`, or `conv_q/k/v`,
 `conv_x/b/c`), rows the kernel-1 kept inputs in time order; and the recurrent state as one tensor holding per head
 h a matrix S_h (rows × head_dim) either on its columns (`heads` > 0: tensor[x, h·head_dim + y] = S_h[x, y]) or
-stacked on its rows (`heads` = 0: tensor[h·rows/H + x, y]). Whether vLLM keeps S_h or its transpose per head
-(`transposed`) is learned from vLLM's own state-shape calculator (`learn_transposed`), not assumed: it is True
-for gated-delta-net (vLLM (v_dim, k_dim) against transformers' (k_dim, v_dim)), False for Mamba2.
+stacked on its rows (`heads` = 0: tensor[h·rows/H + x, y]). How vLLM's page holds S_h (`Orientation`) is
+learned, not assumed (`learn_orientation`):
+
+    AS_IS          page[h] is S_h                                   Mamba2 (vLLM's calculator: (heads, head_dim, state))
+    TRANSPOSED     page[h] is S_h transposed                        gated-delta-net where the kernels follow vLLM's
+                                                                    calculator, (v_dim, k_dim) (its GPU kernels)
+    REINTERPRETED  page[h], allocated (v_dim, k_dim), holds S_h     gated-delta-net on vLLM's CPU build: its kernels
+                   (k_dim, v_dim) row-major in the same memory      view the page as (k_dim, v_dim)
+                                                                    (`cpu/gdn_attention._ssm_state_view`)
+
+On the CPU build the orientation is learned by running vLLM's own decode kernel on a page, through the view its CPU
+path takes of it: a state read back after it must be S_h in transformers' orientation.
 
 API for the worker, one state block (one request's running state) at a time:
 
-    layout = state_layout(local_state_tensors, spec.shapes, spec.dtypes, conv_dim_first=..., transposed=...)
+    layout = state_layout(local_state_tensors, spec.shapes, spec.dtypes, conv_dim_first=...,
+                          orientation=learn_orientation(spec.mamba_type.name))
     layout.gather(pages, block_id) -> {contract name: (rows, cols) tensor}     # copies
     layout.scatter(pages, block_id, {contract name: (rows, cols) tensor})     # writes every state byte it owns
     layout.views(pages) -> (conv, recurrent)                                  # the typed views bind_kv_cache makes
@@ -30,6 +40,8 @@ Anything that does not fit (sizes, dtypes, a tensor left over) is refused with U
 
 from __future__ import annotations
 
+import enum
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
@@ -37,6 +49,14 @@ from math import prod
 import torch
 
 from ._layouts import UnsupportedLayout
+
+
+class Orientation(enum.Enum):
+    """How a page holds each head's S_h (module docstring)."""
+
+    AS_IS = "as is"
+    TRANSPOSED = "transposed"
+    REINTERPRETED = "row-major in the transposed shape's memory"
 
 
 @dataclass(frozen=True)
@@ -59,7 +79,7 @@ class StateGeometry:
     state_shape: tuple[int, int, int]
     state_dtype: torch.dtype
     conv_dim_first: bool  # vLLM's DS conv layout: (conv_dim, kernel-1)
-    transposed: bool  # vLLM keeps S_h transposed: state[h] = S_h.T
+    orientation: Orientation  # how state[h] holds S_h
 
     @property
     def kernel_rows(self) -> int:
@@ -91,6 +111,45 @@ def learn_transposed(mamba_type: str) -> bool:
     raise UnsupportedLayout(f"vLLM's {mamba_type} recurrent state {tuple(state)} is neither S_h nor its transpose")
 
 
+def _gdn_kernel_orientation() -> Orientation:
+    """How vLLM's CPU build's gated-delta-net kernels hold S_h in a page vLLM allocates as (heads, v_dim, k_dim):
+    one decode step of its own kernel (`fused_sigmoid_gating_delta_rule_update_cpu`) on a zero state, through the
+    view its CPU path takes of the page (`_ssm_state_view`), with beta 1 and no decay, writes S_h = k v^T
+    (transformers' delta rule); the page then holds that either as vLLM's shape says (transposed) or row-major in
+    its memory (reinterpreted). Anything else: UnsupportedLayout."""
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _ssm_state_view
+
+    heads, k_dim, v_dim = 2, 16, 32  # distinct sizes: a wrong orientation cannot pass
+    page = torch.zeros(2, heads, v_dim, k_dim, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, 1, heads, d, generator=g).to(torch.bfloat16) for d in (k_dim, v_dim))
+    q = torch.zeros(1, 1, heads, k_dim, dtype=torch.bfloat16)
+    no_decay, beta_one = torch.full((1, heads), -30.0), torch.full((1, heads), 30.0)
+    zero = torch.zeros(heads, dtype=torch.bfloat16)
+    view = _ssm_state_view(types.SimpleNamespace(kv_cache=(None, page)))
+    ops.fused_sigmoid_gating_delta_rule_update_cpu(
+        zero, zero, q, k, v, no_decay.to(torch.bfloat16), beta_one.to(torch.bfloat16), view,
+        torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), False)  # fmt: skip
+    written = k[0, 0].float()[:, :, None] * v[0, 0].float()[:, None, :]  # S_h = k v^T, (heads, k_dim, v_dim)
+    for orientation, held in ((Orientation.REINTERPRETED, page[1].reshape(heads, k_dim, v_dim)),
+                              (Orientation.TRANSPOSED, page[1].transpose(1, 2))):  # fmt: skip
+        if torch.allclose(held.float(), written, rtol=0.02, atol=0.02):
+            return orientation
+    raise UnsupportedLayout("vLLM's CPU gated-delta-net kernel wrote a state that is neither S_h nor its transpose")
+
+
+def learn_orientation(mamba_type: str) -> Orientation:
+    """How vLLM's pages of `mamba_type` hold each head's S_h (module docstring): on vLLM's CPU build a
+    gated-delta-net page is probed through its own kernel; otherwise vLLM's calculator says (`learn_transposed`)."""
+    from vllm.platforms import current_platform
+
+    transposed = learn_transposed(mamba_type)
+    if transposed and current_platform.is_cpu():
+        return _gdn_kernel_orientation()
+    return Orientation.TRANSPOSED if transposed else Orientation.AS_IS
+
+
 class StatePageLayout:
     """One layer's state page ↔ its contract tensors (module docstring); `conv` and `state` are the contract's."""
 
@@ -112,6 +171,15 @@ class StatePageLayout:
         """One block's conv state as (kernel-1, conv_dim), a view."""
         return conv.t() if self.geometry.conv_dim_first else conv
 
+    def _s_per_head(self, block: torch.Tensor) -> torch.Tensor:
+        """One block's recurrent state (vLLM's (heads, a, b) view) as S_h per head, a view."""
+        h, a, b = self.geometry.state_shape
+        if self.geometry.orientation is Orientation.TRANSPOSED:
+            return block.transpose(1, 2)
+        if self.geometry.orientation is Orientation.REINTERPRETED:
+            return block.reshape(h, b, a)
+        return block
+
     def _per_head(self, tensor: torch.Tensor) -> torch.Tensor:
         """The contract's recurrent tensor as (heads, rows, head_dim): S_h per head, a view where it can be."""
         h, s = self.geometry.state_shape[0], self.state
@@ -127,7 +195,7 @@ class StatePageLayout:
         for t in self.conv:
             out[t.name] = rows[:, first : first + t.cols].clone()
             first += t.cols
-        heads = state[block_id].transpose(1, 2) if self.geometry.transposed else state[block_id]  # S_h per head
+        heads = self._s_per_head(state[block_id])
         s = self.state
         if s.heads:
             out[s.name] = heads.permute(1, 0, 2).reshape(s.rows, s.cols).clone()  # one head: reshape is a view
@@ -145,7 +213,11 @@ class StatePageLayout:
             rows[:, first : first + t.cols] = tensors[t.name].reshape(t.rows, t.cols).to(g.conv_dtype)
             first += t.cols
         heads = self._per_head(tensors[self.state.name].to(g.state_dtype))
-        state[block_id] = heads.transpose(1, 2) if g.transposed else heads
+        if g.orientation is Orientation.TRANSPOSED:
+            heads = heads.transpose(1, 2)
+        elif g.orientation is Orientation.REINTERPRETED:
+            heads = heads.reshape(g.state_shape)
+        state[block_id] = heads
 
 
 def check_bound_views(layout: StatePageLayout, pages: torch.Tensor, bound: Sequence[torch.Tensor], layer: str) -> None:
@@ -170,7 +242,7 @@ def state_layout(
     dtypes: Sequence[torch.dtype],
     *,
     conv_dim_first: bool,
-    transposed: bool,
+    orientation: Orientation,
     layer: str = "",
 ) -> StatePageLayout:
     """The page layout of one Mamba-type layer whose contract tensors (this rank's shapes) are `tensors` and whose
@@ -179,7 +251,7 @@ def state_layout(
     if len(shapes) != 2 or len(dtypes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
         raise UnsupportedLayout(f"{where}: vLLM's states {[tuple(s) for s in shapes]} are not a conv state and one "
                                 "(heads, a, b) recurrent state")  # fmt: skip
-    g = StateGeometry(tuple(shapes[0]), dtypes[0], tuple(shapes[1]), dtypes[1], conv_dim_first, transposed)
+    g = StateGeometry(tuple(shapes[0]), dtypes[0], tuple(shapes[1]), dtypes[1], conv_dim_first, orientation)
     conv = [t for t in tensors if ".conv" in t.name or t.name.startswith("conv")]
     rest = [t for t in tensors if t not in conv]
     if len(rest) != 1 or not conv:
@@ -192,7 +264,7 @@ def state_layout(
         raise UnsupportedLayout(f"{where}: the contract's conv tensors have {sum(t.cols for t in conv)} channels, "
                                 f"vLLM's conv state {g.conv_dim}")  # fmt: skip
     state, (h, a, b) = rest[0], g.state_shape
-    per_head = (b, a) if transposed else (a, b)  # S_h's (rows, head_dim)
+    per_head = (a, b) if orientation is Orientation.AS_IS else (b, a)  # S_h's (rows, head_dim)
     if state.heads:
         fits = state.heads == h and (state.rows, state.head_dim) == per_head and state.cols == h * state.head_dim
     else:
@@ -200,5 +272,5 @@ def state_layout(
     if not fits:
         raise UnsupportedLayout(f"{where}: the contract's `{state.name}` ({state.rows} x {state.cols}, "
                                 f"{state.heads} heads) does not hold vLLM's recurrent state {(h, a, b)} "
-                                f"({'transposed' if transposed else 'as is'} per head)")  # fmt: skip
+                                f"({orientation.value} per head)")  # fmt: skip
     return StatePageLayout(g, conv, state)
