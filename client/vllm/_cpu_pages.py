@@ -57,6 +57,24 @@ class CpuAttnVecLayout(PageLayout):
         keys, values = self._views(pages[index])
         return keys.contiguous(), values.contiguous()
 
+    def gather(
+        self, pages: torch.Tensor, block_ids: list[int], rows: int, first: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass: tokens [first, rows) indexed by (kernel block, offset) straight out of the pages' own strided
+        key and value views, each into a fresh (rows - first, kv_heads·head_dim) tensor, where the base class copies
+        the blocks out, transposes them and cuts the rows (three passes; the producer's copy-out:
+        docs/performance.md). Pages whose blocks cannot be viewed so take the base class's path."""
+        g = self.geometry
+        try:  # (view, not reshape: a reshape of pages that cannot be viewed so would copy the whole layer)
+            keys_view, values_view = self._views(pages.view(pages.shape[0], g.kv_heads, 2 * g.kernel * g.head_dim))
+        except RuntimeError:  # the pages' elements are not one contiguous run a block: no such view of them
+            return super().gather(pages, block_ids, rows, first)
+        ids = torch.tensor(kernel_block_ids(g, block_ids)[: math.ceil(rows / g.kernel)], dtype=torch.long)
+        tokens = torch.arange(first, rows, dtype=torch.long)
+        blocks, offsets = ids[tokens // g.kernel].to(pages.device), (tokens % g.kernel).to(pages.device)
+        n = rows - first
+        return keys_view[blocks, offsets].reshape(n, -1), values_view[blocks, offsets].reshape(n, -1)
+
     def scatter(
         self, pages: torch.Tensor, block_ids: list[int], first: int, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
