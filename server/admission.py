@@ -105,7 +105,8 @@ class HeldWhileRunning(Iterator[T]):
     grpcio abandons a handler's generator mid-stream when its client goes, suspended at a `yield` and closed only
     when collected, so a slot given back only by the handler's own `finally` could stay taken for ever; but a slot
     given back at the call's end while a thread still runs the handler (asleep on its lane's opening, say) would
-    let admission hand out a worker thread that is not free. Neither: the slot stands for the thread."""
+    let admission hand out a worker thread that is not free. Neither: the slot stands for the thread. And once the
+    call has ended the handler is never resumed (only closed), though grpcio may still ask for a next response."""
 
     def __init__(self, slot: Slot, responses: Iterator[T]) -> None:
         self._slot = slot
@@ -133,7 +134,11 @@ class HeldWhileRunning(Iterator[T]):
 
     def __next__(self) -> T:
         with self._lock:
-            self._inside = True
+            ended = self._ended
+            self._inside = not ended
+        if ended:  # grpcio may ask for the next response after the call ended (between its is-active check and its
+            self.close()  # `next`): its slot may be handed out already, so the handler is closed, not run on
+            raise StopIteration
         try:
             return next(self._responses)
         except BaseException:  # returned or raised: the handler holds nothing more
