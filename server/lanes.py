@@ -232,9 +232,7 @@ class LaneListener:
 
     def _serve_forever(self) -> None:
         with selectors.DefaultSelector() as selector:
-            for listener in self._listeners:
-                selector.register(listener, selectors.EVENT_READ, "listener")
-            selector.register(self._wake_reader, selectors.EVENT_READ)
+            self._watch(selector)
             while not self._closed:
                 deadlines = [opening.deadline for opening in self._openings.values()]
                 if self._resting_until is not None:
@@ -244,16 +242,25 @@ class LaneListener:
                     self._resting_until = None  # try the listeners again
                     for listener in self._listeners:
                         selector.register(listener, selectors.EVENT_READ, "listener")
-                for key, _ in selector.select(timeout):
-                    if key.data == "listener":
-                        self._accept(selector, key.fileobj)  # type: ignore[arg-type]
-                    elif key.fileobj is self._wake_reader:
-                        sockets.drain(self._wake_reader)
-                    elif (opening := self._openings.get(key.fileobj)) is not None:  # type: ignore[call-overload]
-                        self._read(selector, opening)  # (None: an earlier accept in this pass made room with it)
-                self._settle(selector)
+                self._pass(selector, selector.select(timeout))
             for opening in list(self._openings.values()):
                 sockets.close(opening.sock)
+
+    def _watch(self, selector: selectors.BaseSelector) -> None:
+        for listener in self._listeners:
+            selector.register(listener, selectors.EVENT_READ, "listener")
+        selector.register(self._wake_reader, selectors.EVENT_READ)
+
+    def _pass(self, selector: selectors.BaseSelector, events: list[tuple[selectors.SelectorKey, int]]) -> None:
+        """One pass over what a select found ready, in its order: accept, wake, or read an opening; then settle."""
+        for key, _ in events:
+            if key.data == "listener":
+                self._accept(selector, key.fileobj)  # type: ignore[arg-type]
+            elif key.fileobj is self._wake_reader:
+                sockets.drain(self._wake_reader)
+            elif (opening := self._openings.get(key.fileobj)) is not None:  # type: ignore[call-overload]
+                self._read(selector, opening)  # (None: an earlier accept in this pass made room with it)
+        self._settle(selector)
 
     def _accept(self, selector: selectors.BaseSelector, listener: socket.socket) -> None:
         while True:
