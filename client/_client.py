@@ -303,12 +303,7 @@ class HandoffClient:
         Of a tensor whose rows are positions only the first rows, those the position filled, are written (the
         returned array is that view of them); the rest are left as they were. What they hold is meaningless unless
         the pull returns."""
-        if ticket is not None:
-            fields = ticket_for(ticket, model, handoff_id)
-            contract = self.get_contract(model)
-            if fields["f"] != contract.fingerprint:
-                raise FingerprintMismatch(model, contract.fingerprint, fields["f"])
-
+        self._check_ticket(model, handoff_id, ticket)
         into = None if into is None else as_arrays(model, into, "into")
         attempts = PullAttempts(self, model, handoff_id, as_shard(model, shard), into, wait_for_push)
         return self._with_retries(attempts.run, attempts.retryable, timeout)
@@ -324,6 +319,7 @@ class HandoffClient:
         into: Mapping[str, np.ndarray] | None = None,
         wait_for_push: float | None = None,
         lanes: bool = True,
+        ticket: str | None = None,
     ) -> PulledTensors:
         """Claim the hand-off and yield `(carried, array)` as each tensor arrives whole, for a decoder that starts
         on layer 0 while later layers are still on the wire (the broker streams a push still under way).
@@ -333,8 +329,9 @@ class HandoffClient:
         the whole hand-off). If it raises — PushAborted when the push failed — discard what was yielded.
         Not retried: the caller has already seen part of it. `shard` and `into` as for `pull`; the arrays yielded
         are of the filled shape, as `pull` returns them. `lanes=False`: the chunks on the stream, even where the
-        broker offers a lane.
+        broker offers a lane. A `ticket` is checked as `pull` checks it.
         """
+        self._check_ticket(model, handoff_id, ticket)
         part = as_shard(model, shard)
         declared = self.get_contract(model)
         deadline = self.timeout if timeout is None else timeout
@@ -354,6 +351,12 @@ class HandoffClient:
         arrays = destinations(view(declared, part, pushing=False), into)  # checked before the claim
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)
         return PulledTensors(self, declared, part, handoff_id, stream, deadline, arrays, request)
+
+    def _check_ticket(self, model: str, handoff_id: str, ticket: str | None) -> None:
+        """A ticket must name this hand-off and the contract this broker serves for the model."""
+        fields = ticket_for(ticket, model, handoff_id) if ticket is not None else None
+        if fields is not None and fields["f"] != (served := self.get_contract(model).fingerprint):
+            raise FingerprintMismatch(model, served, fields["f"])
 
     def _confirm_claim(
         self, model: str, handoff_id: str, claim: int, timeout: float, shard: pb.Shard | None = None

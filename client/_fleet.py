@@ -18,8 +18,12 @@ What a broker's trouble costs (docs/scaling.md):
   way, at once: a hand-off pushed there is lost with it. (A pull made before its push, for such an id, fails too,
   and the caller recomputes; a decoder given a ticket never meets this.)
 - A broker that registers anew (restarted, or back after its etcd lease lapsed) gets a new connection from each
-  client, so none waits out gRPC's reconnect backoff from its former life; the connection to the former one stays
-  open RETIRED_SECONDS for the calls under way on it.
+  client, so none waits out gRPC's reconnect backoff from its former life; and a broker out of the set for longer
+  than LEFT_RECENTLY has its connection closed. Either way the former connection is closed once the last call
+  under way on it ends, never under it (_fleet_clients.py).
+- The vLLM connector places a hand-off before its push (`place`), names that broker in the ticket the router gets
+  at once, and pushes there alone (`push(..., broker=)`): the ticket names the broker that holds the hand-off, or,
+  when that push failed, one that does not, which a decoder hears at once (see `push`).
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ import base64
 import hashlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Self, TypeVar
 
-from ._members import BrokerSet
+from ._fleet_clients import BrokerClients
+from ._fleet_pulls import FleetPulledTensors, Route
+from ._members import LEFT_RECENTLY, BrokerSet
 from .protocol.errors import BrokerUnavailable, HandoffError, MalformedRequest, WaitTimedOut
 
 T = TypeVar("T")
@@ -153,10 +158,6 @@ def owner_gone(broker: str, error: HandoffError, left_ago: float | None) -> Hand
     return error
 
 
-RETIRED_SECONDS = 600.0
-"""How long the client made for a broker's former registration stays open after the broker registered anew: the
-calls under way on it finish (none takes longer, unless given a longer timeout), then it is closed."""
-
 FLEET_CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (("grpc.use_local_subchannel_pool", 1),)
 """Each per-broker channel keeps its connection to itself: by default gRPC shares subchannels among a process's
 channels to one address, so a channel made anew for a broker that registered again would inherit the old one's,
@@ -177,38 +178,15 @@ class FleetClient:
         self._set = BrokerSet(target, refresh)
         options["options"] = FLEET_CHANNEL_OPTIONS + tuple(options.get("options", ()))  # type: ignore[arg-type]
         self._options = options
-        self._clients: dict[str, tuple[str | None, object]] = {}  # broker -> (its registration, its client)
-        self._retired: list[tuple[float, object]] = []  # (when, client) made for a former registration
-        self._lock = threading.Lock()
+        self._clients = BrokerClients(self._set, self._connect, LEFT_RECENTLY)
 
-    def _client(self, broker: str):
-        """The broker's client: the one made for its current registration, made anew when it registered again (a
-        broker not in the set now keeps the one it had)."""
+    def _connect(self, broker: str):
         from ._client import HandoffClient
 
-        registration = self._set.registration(broker)
-        with self._lock:
-            now = time.monotonic()
-            while self._retired and now - self._retired[0][0] >= RETIRED_SECONDS:
-                self._retired.pop(0)[1].close()
-            held = self._clients.get(broker)
-            if held is not None and (registration is None or held[0] == registration):
-                return held[1]
-            if held is not None:
-                logger.info("broker %s registered anew: connecting to it afresh", broker)
-                self._retired.append((now, held[1]))
-            client = HandoffClient(broker, **self._options)
-            self._clients[broker] = (registration, client)
-            return client
+        return HandoffClient(broker, **self._options)
 
     def close(self) -> None:
-        with self._lock:
-            for _, client in self._clients.values():
-                client.close()
-            for _, client in self._retired:
-                client.close()
-            self._clients.clear()
-            self._retired.clear()
+        self._clients.close()
 
     def __enter__(self) -> Self:
         return self
@@ -216,16 +194,62 @@ class FleetClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _at(self, broker: str, call: Callable[..., T]) -> T:
+        """`call(client)` with the broker's client, held for the call."""
+        with self._clients.using(broker) as client:
+            return call(client)
+
     def list_contracts(self, **kwargs: object):
-        return in_order(self._set.brokers(), lambda b: self._client(b).list_contracts(**kwargs))
+        return in_order(self._set.brokers(), lambda b: self._at(b, lambda c: c.list_contracts(**kwargs)))
 
     def get_contract(self, model: str, **kwargs: object):
-        return in_order(self._set.brokers(), lambda b: self._client(b).get_contract(model, **kwargs))
+        return in_order(self._set.brokers(), lambda b: self._at(b, lambda c: c.get_contract(model, **kwargs)))
 
-    def push(self, model: str, handoff_id: str, position: int, tensors, **kwargs: object):
-        """Push to the first live broker in this hand-off's rendezvous order; the result's ticket names it."""
+    def place(self, model: str, handoff_id: str) -> str:
+        """The broker a push of this hand-off goes to now: the first of the set in its rendezvous order."""
+        brokers = self._set.brokers()
+        if not brokers:
+            raise BrokerUnavailable._rebuild(f"no broker in the set {self.target}", {})
+        return rendezvous(brokers, model, handoff_id)[0]
+
+    def push(self, model: str, handoff_id: str, position: int, tensors, *, broker: str | None = None, **kwargs: object):
+        """Push to the first live broker in this hand-off's rendezvous order; the result's ticket names it.
+
+        `broker` (from `place`, made before the push by whoever already handed out a ticket naming it): push there
+        and nowhere else, so the ticket is never wrong about where the hand-off went; if that broker cannot take it,
+        the push fails (and the decoder, following the ticket, hears at once that the broker is unreachable, or
+        does not hold it). Every tensor-parallel rank given the same broker meets there. Only a broker this client's
+        set holds, or once held, is pushed to (MalformedRequest otherwise)."""
+        if broker is not None:
+            if not self._set.known(broker):
+                self._set.read_now()  # it may have joined since this client last read the set
+            if not self._set.known(broker):
+                raise MalformedRequest(f"broker {broker[:100]} has never been in this client's broker set "
+                                       f"{self.target[:100]}: not pushed there", model)  # fmt: skip
+            try:
+                return self._at(broker, lambda c: c.push(model, handoff_id, position, tensors, **kwargs))
+            except HandoffError as e:
+                raise named(broker, e) from None
         order = rendezvous(self._set.brokers(), model, handoff_id)
-        return in_order(order, lambda b: self._client(b).push(model, handoff_id, position, tensors, **kwargs))
+        return in_order(order, lambda b: self._at(b, lambda c: c.push(model, handoff_id, position, tensors, **kwargs)))
+
+    def _route(self, model: str, handoff_id: str, ticket: str | None) -> Route:
+        """The ticket's broker, if it is or was in the set; or else the rendezvous order, with the brokers that left
+        the set recently (probed, never waited at)."""
+        if ticket is not None:
+            broker = ticket_for(ticket, model, handoff_id)["b"]
+            if not self._set.known(broker):
+                self._set.read_now()  # it may have joined since this client last read the set
+            if self._set.known(broker):
+                return Route(broker, [broker], {})
+            # A ticket is unsigned: it may only choose among the brokers this client was given, never send the
+            # decoder's token and keys to a host of the ticket's choosing.
+            logger.warning("the ticket for %s/%s names %s, which has never been in this client's broker set (a "
+                           "ticket from another fleet, or forged); pulling by rendezvous order instead",
+                           model, handoff_id, broker[:100])  # fmt: skip
+        brokers = self._set.brokers()
+        departed = self._set.left_recently()
+        return Route(None, rendezvous(brokers + [b for b in departed if b not in brokers], model, handoff_id), departed)
 
     def pull(
         self, model: str, handoff_id: str, *, ticket: str | None = None, timeout: float | None = None, **kwargs: object
@@ -233,30 +257,39 @@ class FleetClient:
         """From the broker the ticket names, if it is or was in the set; or else by rendezvous order: a brief look at
         the first few, then a wait at the first that answers."""
         timeout = self.timeout if timeout is None else timeout
-        brokers = self._set.brokers()
-        if ticket is not None:
-            broker = ticket_for(ticket, model, handoff_id)["b"]
-            if not self._set.known(broker):
-                self._set.read_now()  # it may have joined since this client last read the set
-            if self._set.known(broker):
-                try:
-                    return self._client(broker).pull(model, handoff_id, timeout=timeout, ticket=ticket, **kwargs)
-                except HandoffError as e:
-                    raise named(broker, e) from None
-            # A ticket is unsigned: it may only choose among the brokers this client was given, never send the
-            # decoder's token and keys to a host of the ticket's choosing.
-            logger.warning("the ticket for %s/%s names %s, which has never been in this client's broker set (a "
-                           "ticket from another fleet, or forged); pulling by rendezvous order instead",
-                           model, handoff_id, broker[:100])  # fmt: skip
-            brokers = self._set.brokers()
-        departed = self._set.left_recently()
-        order = rendezvous(brokers + [b for b in departed if b not in brokers], model, handoff_id)
+        route = self._route(model, handoff_id, ticket)
+        if route.broker is not None:
+            try:
+                return self._at(route.broker, lambda c: c.pull(model, handoff_id, timeout=timeout, ticket=ticket,
+                                                              **kwargs))  # fmt: skip
+            except HandoffError as e:
+                raise named(route.broker, e) from None
         return probe_then_wait(
-            order,
-            lambda b, t, w: self._client(b).pull(model, handoff_id, timeout=t, wait_for_push=w, **kwargs),
+            route.order,
+            lambda b, t, w: self._at(b, lambda c: c.pull(model, handoff_id, timeout=t, wait_for_push=w, **kwargs)),
             timeout,
-            departed,
+            route.departed,
         )
+
+    def pull_tensors(
+        self,
+        model: str,
+        handoff_id: str,
+        *,
+        ticket: str | None = None,
+        timeout: float | None = None,
+        wait_for_push: float | None = None,
+        **kwargs: object,
+    ) -> FleetPulledTensors:
+        """HandoffClient.pull_tensors from the broker that holds the hand-off, found as `pull` finds it (the ticket's
+        broker, else rendezvous order): iterate for `(carried, array)` as each tensor arrives whole; a lane that
+        breaks falls back to the stream within the same iteration. `wait_for_push` applies at the ticket's broker
+        (without a ticket each broker is looked at briefly, then the first that answers waited at). Nothing happens
+        until it is iterated."""
+        timeout = self.timeout if timeout is None else timeout
+        route = self._route(model, handoff_id, ticket)
+        options = {**kwargs, "ticket": ticket} if route.broker is not None else dict(kwargs)
+        return FleetPulledTensors(self._clients, model, handoff_id, route, timeout, wait_for_push, options)
 
     def cancel(self, model: str, handoff_id: str, **kwargs: object) -> bool:
         """Cancel wherever the hand-off is (a broker that left the set recently may still hold it); True if some
@@ -265,7 +298,7 @@ class FleetClient:
         departed = [b for b in self._set.left_recently() if b not in brokers]
         for broker in rendezvous(brokers + departed, model, handoff_id):
             try:
-                if self._client(broker).cancel(model, handoff_id, **kwargs):
+                if self._at(broker, lambda c: c.cancel(model, handoff_id, **kwargs)):
                     return True
             except BrokerUnavailable:
                 continue

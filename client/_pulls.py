@@ -129,6 +129,8 @@ class PulledTensors:
         self._handoff: Handoff | None = None
         self.claim = 0
         """The claim's generation, once the header has come."""
+        self.position: int | None = None
+        """The hand-off's position, once the header has come (before the first tensor is yielded)."""
         self.left_its_lane = False
         """Whether its lane broke and it went on the stream."""
 
@@ -181,7 +183,7 @@ class PulledTensors:
         header = next(stream, None)
         if not isinstance(header, pb.PullHeader):
             raise MalformedRequest("the broker's pull stream did not start with a header", model)
-        self.claim = header.claim
+        self.claim, self.position = header.claim, header.position
         if header.fingerprint != self._declared.fingerprint:
             raise FingerprintMismatch(model, header.fingerprint, self._declared.fingerprint)
         contract = view(self._declared.at(header.position), self._shard, pushing=False)
