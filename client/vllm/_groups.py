@@ -14,6 +14,8 @@ layer) has 4 groups, and group 0 is a Mamba group: "the" attention blocks are no
                min(window - 1, ctx) rows, row p mod rows holding position p (handoff_client._config_fields.ring_rows)
     STATE      MambaSpec (gated-delta-net, Mamba2)   conv tensors and one recurrent state, one state block per
                request (mamba_cache_mode "none"), the last of its group's block ids
+    LATENT     MLAAttentionSpec (DeepSeek-V2/V3, Kimi-K2)   one `kv_latent` of ctx rows, kv_lora_rank +
+               qk_rope_head_dim wide (rows are positions): _mla_pages
 
 Invariants of a `GroupMap`: every carried tensor of the contract (the rank's view under tensor parallelism) belongs
 to exactly one layer, every layer of a group that carries anything belongs to one group, and each layer's tensors
@@ -47,6 +49,7 @@ class Kind(enum.Enum):
     ATTENTION = "attention"
     WINDOW = "sliding-window attention"
     STATE = "recurrent state"
+    LATENT = "latent attention (MLA)"
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,8 @@ def _plan(name: str, group: int, spec: Any, tensors: list[Carried], contract: Co
                                         f"{want} (its resolved mamba cache dtypes {dtypes}): serve the contract in "
                                         "the engine's dtypes")  # fmt: skip
         return LayerPlan(name, group, Kind.STATE, spec.block_size, tuple(tensors), spec=spec)
+    if kind_name == "MLAAttentionSpec":
+        return _latent_plan(where, name, group, spec, tensors, contract)
     if not hasattr(spec, "num_kv_heads") or type(spec).__name__.startswith(("MLA", "SlidingWindowMLA")):
         raise UnsupportedGroups(f"{where}: the connector carries attention key/value caches and recurrent state "
                                 f"pages, not {kind_name} pages")  # fmt: skip
@@ -187,6 +192,27 @@ def _plan(name: str, group: int, spec: Any, tensors: list[Carried], contract: Co
                                     f"{what} = {want}")  # fmt: skip
     kind = Kind.ATTENTION if window is None else Kind.WINDOW
     return LayerPlan(name, group, kind, spec.block_size, (keys[0], values[0]), window, spec)
+
+
+def _latent_plan(where: str, name: str, group: int, spec: Any, tensors: list[Carried], contract: Contract) -> LayerPlan:
+    """An MLA layer: one latent per token, as wide as vLLM's one KV head; a compressed or padded latent (DeepSeek-V4:
+    several tokens a state, aligned pages) or a quantized one is refused."""
+    names = [t.name for t in tensors]
+    if len(tensors) != 1 or not tensors[0].name.endswith("kv_latent"):
+        raise UnsupportedGroups(f"{where} holds one MLA latent per token; the contract gives it {names}")
+    (latent,) = tensors
+    if spec.num_kv_heads != 1 or latent.cols != spec.head_size:
+        raise UnsupportedGroups(f"{where} keeps {spec.num_kv_heads} latent(s) of {spec.head_size} a token; the "
+                                f"contract's `{latent.name}` has {latent.cols} columns")  # fmt: skip
+    if not latent.rows_are_positions or latent.rows != contract.ctx:
+        raise UnsupportedGroups(f"{where}: the contract's `{latent.name}` has {latent.rows} rows, vLLM's layer keeps a "
+                                f"latent of ctx = {contract.ctx}")  # fmt: skip
+    odd = {what: getattr(spec, what, None) for what in ("cache_dtype_str", "alignment", "model_version")}
+    odd = {what: value for what, value in odd.items() if value not in (None, "auto")}
+    if odd or getattr(spec, "tokens_per_state", 1) != 1:
+        raise UnsupportedGroups(f"{where}: an MLA cache with {odd or {'tokens_per_state': spec.tokens_per_state}} "
+                                "(quantized, compressed or aligned) is not one the connector carries")  # fmt: skip
+    return LayerPlan(name, group, Kind.LATENT, spec.block_size, (latent,), spec=spec)
 
 
 def group_map(kv_cache_config: Any, contract: Contract, windows: Mapping[str, int | None] | None = None) -> GroupMap:

@@ -2,8 +2,9 @@
 
 At start-up (`register_kv_caches`) it maps each layer to its KV-cache group and kind (_groups.py: attention, a
 sliding window's ring, a recurrent state page), learns the page layout of the attention backend vLLM chose
-(_layouts.py; an unknown one is refused, by name) or the state page's (_state_pages.py), and checks that the broker serves this model's contract with the same
-fingerprint (a broker serving another contract is refused, naming both fingerprints).
+(_layouts.py; an unknown one is refused, by name), an MLA layer's latent pages (_mla_pages.py) or the state page's
+(_state_pages.py), and checks that the broker serves this model's contract with the same fingerprint (a broker
+serving another contract is refused, naming both fingerprints).
 
 Producer: nothing runs on the forward pass. `wait_for_save`, at the end of the step that computed a prompt's last
 token, hands the request to a background sender, which copies each layer's keys and values for the prompt's rows out
@@ -50,6 +51,7 @@ from handoff_client.protocol.shards import Shard
 
 from ._groups import GroupMap, Kind, group_map
 from ._layouts import Geometry, PageLayout, layout_for
+from ._mla_pages import LatentMover, latent_mover
 from ._movers import AttentionMover, StateMover, bound_views, layer_windows, state_mover
 from ._pages import cache_writer
 from ._scheduler import HandoffConnectorMetadata, LoadSpec, SaveSpec
@@ -71,7 +73,8 @@ class WorkerHalf:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.groups: GroupMap | None = None  # each layer's KV-cache group and kind (register_kv_caches)
-        self.movers: dict[str, AttentionMover | StateMover] = {}  # vLLM layer name -> how its pages are moved
+        # vLLM layer name -> how its pages are moved
+        self.movers: dict[str, AttentionMover | StateMover | LatentMover] = {}
         self.client = HandoffClient(settings.target, **settings.client_options())
         self.pages: dict[str, torch.Tensor] = {}
         self.layouts: dict[str, PageLayout] = {}
@@ -115,9 +118,12 @@ class WorkerHalf:
             if plan.kind is Kind.STATE:
                 self.movers[layer_name] = state_mover(plan, pages, bound_views(self.vllm_config, layer_name))
                 continue
-            key, value = plan.tensors
             backend = get_current_attn_backends(self.vllm_config, [layer_name])[0].get_name()
             backends.add(backend)
+            if plan.kind is Kind.LATENT:  # one latent per token, the same on every TP rank: _mla_pages
+                self.movers[layer_name] = latent_mover(plan, backend, pages, self.vllm_config, self.contract.model)
+                continue
+            key, value = plan.tensors
             geometry = Geometry(key.heads or 1, key.head_dim or key.cols, plan.block_size)
             if pages.dim() == 4 and pages.shape[1] != geometry.kv_heads:  # vLLM 0.32's [blocks, heads, block, C]
                 raise ValueError(f"{self.contract.model}: vLLM pages `{layer_name}` with {pages.shape[1]} KV heads at "
