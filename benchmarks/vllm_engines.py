@@ -4,6 +4,7 @@ decode instance has the prompt's KV, against vLLM's own ExampleConnector moving 
     python benchmarks/vllm_engines.py                 # 4 prompts of 1,026 tokens; a small random Llama (below)
     python benchmarks/vllm_engines.py --tp            # ... and the tensor-parallel rows (TP 2 -> 2, TP 2 -> 1)
     python benchmarks/vllm_engines.py --quick         # 2 prompts of 258 tokens, the tests' tiny Llama
+    python benchmarks/vllm_engines.py --hybrid        # instead: a hybrid (Qwen3-Next) at 1k and 8k tokens (vllm_hybrid.py)
 
 The model is a random-weight Llama built here with transformers (no hub): 4 layers, hidden 1024, 8 KV heads of
 128, bf16 — 16 KiB of KV a token. Each engine is a process of its own (offline `LLM`, one request at a time):
@@ -221,7 +222,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=1026, help="prompt length (ExampleConnector finds n·128 + 2)")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--hybrid", action="store_true", help="instead, the hybrid row (benchmarks/vllm_hybrid.py)")
     args = parser.parse_args()
+    if args.hybrid:
+        return hybrid_row(args.quick, args.prompts, args.json)
     count, tokens, shape = (2, 258, TINY) if args.quick else (args.prompts, args.tokens, SMALL)
     prompts = [[(i * (13 + p) + p) % 500 + 3 for i in range(tokens)] for p in range(count)]
     none = [None] * count
@@ -268,6 +272,18 @@ def main() -> None:
         if name.startswith("handoff"):  # the KV came through
             assert [r["cached"] for r in results] == [tokens] * count, (name, [r["cached"] for r in results])
     report(prefill, decode, tokens, count, shape, args.json)
+
+
+def hybrid_row(quick: bool, count: int, json_file: str | None) -> None:
+    """The hybrid row: a tiny Qwen3-Next's first decode token through the broker against recomputing, and its bytes
+    a hand-off, at 1k and 8k tokens (benchmarks/vllm_hybrid.py)."""
+    import vllm_hybrid
+
+    with tempfile.TemporaryDirectory() as tmp:
+        figures = vllm_hybrid.run(Path(tmp), quick, count)
+    vllm_hybrid.report(figures, count)
+    if json_file:
+        Path(json_file).write_text(json.dumps(figures, indent=2))
 
 
 def report(prefill: dict, decode: dict, tokens: int, count: int, shape: dict, json_file: str | None) -> None:
