@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from handoff_client._fleet import make_ticket
+from handoff_client._fleet import FleetClient, is_fleet, make_ticket
 from handoff_client.protocol.contract import Contract
+from handoff_client.protocol.errors import HandoffError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ._groups import BlockIds, GroupMap, extend, per_group
@@ -59,24 +60,26 @@ def _truthy(params: dict[str, Any], key: str) -> bool:
 @dataclass(frozen=True)
 class SaveSpec:
     """Push request `request_id`'s first `rows` tokens (its whole prompt) from `block_ids` (one tuple per KV-cache
-    group) as `handoff_id`."""
+    group) as `handoff_id`, to `broker` (a fleet target: the broker its ticket names; "": the target)."""
 
     request_id: str
     handoff_id: str
     block_ids: BlockIds
     rows: int
+    broker: str = ""
 
 
 @dataclass(frozen=True)
 class LoadSpec:
     """Pull `handoff_id` (a hand-off after `rows` tokens) into `block_ids` (one tuple per KV-cache group), writing
-    tokens [first, rows)."""
+    tokens [first, rows); from the broker `ticket` names, if given."""
 
     request_id: str
     handoff_id: str
     block_ids: BlockIds
     first: int
     rows: int
+    ticket: str | None = None
 
 
 @dataclass
@@ -104,6 +107,9 @@ class SchedulerHalf:
         self._blocks: dict[str, BlockIds] = {}  # producer: each unsaved request's blocks so far, per group
         self._prompt: dict[str, int] = {}
         self._saved: dict[str, int] = {}  # producer: request -> rows pushed
+        self._placed: dict[str, str] = {}  # producer: request -> the fleet broker its push goes to, its ticket names
+        # A fleet target: each push is placed here, before its ticket is handed out (the worker pushes there alone).
+        self._fleet = FleetClient(settings.target) if is_fleet(settings.target) else None
         self._loads: dict[str, LoadSpec] = {}
         self._loaded: set[str] = set()
         self._refused: set[str] = set()  # consumer: requests whose hand-off was refused (logged and counted once)
@@ -186,13 +192,14 @@ class SchedulerHalf:
         if num_external_tokens <= 0 or request.request_id in self._loaded:
             return
         params = request.kv_transfer_params
+        ticket = params.get("ticket")
         # The load starts after the local prefix-cache hit (which is not overwritten): vLLM has not yet set
         # request.num_computed_tokens to it when it calls this hook (scheduler.py), so it is the count that
         # get_num_new_matched_tokens was given.
         first = self._local_hits.pop(request.request_id, 0)
         self._loads[request.request_id] = LoadSpec(
             request.request_id, str(params["handoff_id"]), per_group(blocks.get_block_ids(), self.groups.groups), first,
-            first + num_external_tokens,
+            first + num_external_tokens, ticket if isinstance(ticket, str) else None,
         )  # fmt: skip
         self._loaded.add(request.request_id)
 
@@ -230,8 +237,15 @@ class SchedulerHalf:
             return
         blocks = self._blocks.pop(request_id)
         self._prompt.pop(request_id)
-        meta.saves.append(SaveSpec(request_id, self.handoff_id(request_id), blocks, rows))
+        handoff_id = self.handoff_id(request_id)
+        try:
+            broker = self._fleet.place(self.contract.model, handoff_id) if self._fleet is not None else ""
+        except HandoffError as e:  # (no broker in the set, or the set cannot be read)
+            logger.warning("hand-off %s is not pushed: %s", handoff_id, e.message)
+            return
+        meta.saves.append(SaveSpec(request_id, handoff_id, blocks, rows, broker))
         self._saved[request_id] = rows
+        self._placed[request_id] = broker
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Hold a pushed request's pages (every group's) until its push ends; the params the router passes on."""
@@ -241,13 +255,14 @@ class SchedulerHalf:
         self._refused.discard(request.request_id)
         self._local_hits.pop(request.request_id, None)
         rows = self._saved.pop(request.request_id, None)
+        broker = self._placed.pop(request.request_id, "")
         if rows is None:
             self._wanted.pop(request.request_id, None)
             return False, None
         handoff_id = self.handoff_id(request.request_id)
         digest = self._wanted.pop(request.request_id)
         model = self.contract.model
-        ticket = make_ticket(self.settings.target, model, handoff_id, self.contract.fingerprint)
+        ticket = make_ticket(broker or self.settings.target, model, handoff_id, self.contract.fingerprint)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

