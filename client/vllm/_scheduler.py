@@ -90,6 +90,8 @@ class HandoffConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    idle: bool = False
+    """The step computes nothing: every request it has waits for its load (or it has none)."""
 
 
 class SchedulerHalf:
@@ -208,6 +210,7 @@ class SchedulerHalf:
     def build_connector_meta(self, scheduler_output: Any) -> HandoffConnectorMetadata:
         meta = HandoffConnectorMetadata(loads=list(self._loads.values()))
         meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         self._loads.clear()
         if not self.producer:
             return meta

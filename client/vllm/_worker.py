@@ -27,7 +27,9 @@ cancelled, a checksum or digest failed, past `timeout`) — `get_transfer_result
 receiving), a failure also as failed (`failed_recving`), so vLLM recomputes the request's prompt (or fails the
 request, by its kv_load_failure_policy). Failures go by request, not by block: block ids are unique only within a
 KV-cache group, and vLLM takes block-level errors from no connector of a model with several groups. vLLM schedules the request only then: its loads are asynchronous, which
-vLLM does not combine with layer-by-layer loading (`wait_for_layer_load` has nothing to wait for).
+vLLM does not combine with layer-by-layer loading (`wait_for_layer_load` has nothing to wait for). Meanwhile vLLM
+steps without computing anything; in such a step `get_finished` waits (at most IDLE_WAIT_SECONDS) for a pull to end,
+so the empty steps do not keep the GIL from the pull's thread.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ from ._tp import check_kv_heads, rank_contracts, tp_shard
 
 logger = logging.getLogger(__name__)
 
+IDLE_WAIT_SECONDS = 0.005
+"""How long a step that computes nothing waits for a pull to end: vLLM would step again at once, and its empty steps,
+dozens while a pull is under way, take the GIL from the pull's thread (docs/performance.md). Bounded, so a request
+arriving meanwhile waits at most this long to be scheduled."""
+
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -87,6 +94,7 @@ class WorkerHalf:
         self._sending: set[Future] = set()
         self._receivers = ThreadPoolExecutor(4, thread_name_prefix="handoff-pull")
         self._lock = threading.Lock()
+        self._pull_ended = threading.Condition(self._lock)  # notified whenever a pull ends
         self._copying: dict[str, threading.Event] = {}  # request -> set once its pages are copied out
         self._sent: set[str] = set()  # requests whose push ended (committed or failed)
         self._finished: set[str] = set()  # requests vLLM finished whose pages wait for their push
@@ -271,11 +279,13 @@ class WorkerHalf:
                 self._failed.add(load.request_id)
                 self._received.add(load.request_id)
                 self._loading -= 1
+                self._pull_ended.notify_all()
             return
         with self._lock:
             self.stats.record_pull(nbytes, time.perf_counter() - started)
             self._received.add(load.request_id)
             self._loading -= 1
+            self._pull_ended.notify_all()
 
     def _write_layer(self, load: LoadSpec, layer_name: str, arrived: dict[str, np.ndarray]) -> None:
         """Write the layer into the request's pages once all its tensors have arrived (each tensor arrives once, so
@@ -288,9 +298,13 @@ class WorkerHalf:
 
     # -- both ---------------------------------------------------------------------------------------------------------
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str], set[str]]:
         """(requests whose pages the producer releases now, requests whose load ended); vLLM's finished requests
-        are remembered until their push has ended."""
+        are remembered until their push has ended. `idle`: the step computed nothing (its requests all wait for
+        their loads): wait up to IDLE_WAIT_SECONDS for a pull to end, rather than have vLLM step again at once."""
+        with self._lock:
+            if idle and self._loading and not self._received:
+                self._pull_ended.wait(IDLE_WAIT_SECONDS)  # (the lock is let go meanwhile: the pull can report)
         if self._loading or self._sending:  # vLLM steps in a tight loop while a transfer is under way: let our
             time.sleep(0)  # threads have the GIL now, not at the next 5 ms switch (pulls 3x sooner: vllm_engines.py)
         with self._lock:
