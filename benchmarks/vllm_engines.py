@@ -18,8 +18,9 @@ The model is a random-weight Llama built here with transformers (no hub): 4 laye
               at TP 2 (each rank pulls its heads) and at TP 1 (the broker joins the two ranks' parts). TP 2 runs
               over vLLM's `mp` executor, one core a rank (VLLM_CPU_OMP_THREADS_BIND 0|1).
 
-The engines of one side (prefill, then decode) are started together and kept, and the prompts are interleaved:
-prompt i runs on every engine of the side, one engine at a time, in an order rotated by i, before prompt i + 1.
+The engines of one side (prefill, then decode; the TP 2 engines in sides of their own, since an idle TP 2 engine's
+workers poll) are started together and kept, and the prompts are interleaved: prompt i runs on every engine of
+the side, one engine at a time, in an order rotated by i, before prompt i + 1.
 A producer's push ends before its engine's next prompt (and before the next engine's turn). So slow drifts of a
 shared machine fall on every row alike; what is left is noise of ±30 % on a 2-core VM: read the ratios. Medians
 over the prompts, ms per 1k prompt tokens; the broker is a process of its own on loopback. ExampleConnector copies
@@ -244,25 +245,26 @@ def main() -> None:
             specs = {"none": ("none", {"block": 128}), "handoff": ("handoff-kv_producer", {"block": 128}),
                      "example": ("example", {"block": 128})}  # fmt: skip
             rows = {name: (name, none) for name in specs}
-            if args.tp:
-                specs |= {"none-tp2": ("none", {"block": 128, "tp": 2}),
-                          "handoff-tp2": ("handoff-kv_producer", {"block": 128, "tp": 2})}  # fmt: skip
-                rows |= {
-                    "none-tp2": ("none-tp2", none),
-                    "handoff-tp2": ("handoff-tp2", none),
-                    "handoff-tp2-again": ("handoff-tp2", none),
-                }  # (a hand-off is pulled once: one a decoder)
             prefill = side(specs, rows, count, model_dir, workdir, common)
+            if args.tp:  # sides of their own: an idle TP 2 engine's workers poll, which would weigh on the TP 1 rows
+                specs = {"none-tp2": ("none", {"block": 128, "tp": 2}),
+                         "handoff-tp2": ("handoff-kv_producer", {"block": 128, "tp": 2})}  # fmt: skip
+                # (the TP 2 producer's prompts twice: a hand-off is pulled once, and two decoders take them)
+                rows = {"none-tp2": ("none-tp2", none), "handoff-tp2": ("handoff-tp2", none),
+                        "handoff-tp2-again": ("handoff-tp2", none)}  # fmt: skip
+                prefill |= side(specs, rows, count, model_dir, workdir, common)
             handed = {name: [r["params"] for r in results] for name, results in prefill.items() if "handoff" in name}
             specs = {"recompute": ("none", {"block": 32}), "handoff": ("handoff-kv_consumer", {"block": 32}),
                      "example": ("example", {"block": 128})}  # fmt: skip
             rows = {"recompute": ("recompute", none), "handoff": ("handoff", handed["handoff"]),
                     "example": ("example", none)}  # fmt: skip
-            if args.tp:
-                specs["handoff-tp2"] = ("handoff-kv_consumer", {"block": 32, "tp": 2})
-                rows |= {"handoff-tp2-tp2": ("handoff-tp2", handed["handoff-tp2"]),
-                         "handoff-tp2-tp1": ("handoff", handed["handoff-tp2-again"])}  # fmt: skip
             decode = side(specs, rows, count, model_dir, workdir, common)
+            if args.tp:
+                specs = {"handoff-tp2": ("handoff-kv_consumer", {"block": 32, "tp": 2}),
+                         "handoff-tp1": ("handoff-kv_consumer", {"block": 32})}  # fmt: skip
+                rows = {"handoff-tp2-tp2": ("handoff-tp2", handed["handoff-tp2"]),
+                        "handoff-tp2-tp1": ("handoff-tp1", handed["handoff-tp2-again"])}  # fmt: skip
+                decode |= side(specs, rows, count, model_dir, workdir, common)
             if args.tp:  # both rows of the TP 2 producer are its prefills
                 prefill["handoff-tp2"] += prefill.pop("handoff-tp2-again")
         finally:
