@@ -19,6 +19,17 @@ def contracts() -> dict[str, Contract]:
     return load_contracts(MANIFESTS)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The vLLM tests' tiny random-weight Llama (tests/tiny_models.build_tiny_llama), built once for every module
+    that runs it. Read only: a test that needs another model builds its own."""
+    from tiny_models import build_tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny_llama(folder)
+    return folder
+
+
 PATHS: dict[str, dict[str, object]] = {
     "default": {},  # as a broker serves by default: large hand-offs on a lane (these clients, on the broker's host,
     # take its shared-memory lane from 16 MiB, its TCP lane from 1 MiB), small ones on the stream

@@ -8,9 +8,13 @@ With `"session": true` in the settings it prints `{"ready": ...}` once started a
 line on stdin, answering each with one JSON line, so that a test can drive several engines in turn without paying
 their start-up again: {"op": "generate", "prompts": [...], "params": [...], "max_tokens": n} (params: each prompt's
 kv_transfer_params or null), {"op": "release"} (steps until no finished request holds pages: {"blocks_held": n}),
-{"op": "exit"}. Settings: prompts, block_size, max_tokens, kv_transfer_params, kv_cache_bytes, extra (the
-connector's kv_connector_extra_config), and optionally dtype (bfloat16), tp (1: over vLLM's `mp` executor when
-more), max_model_len (1024), prefix_caching (false), max_num_seqs (vLLM's default).
+{"op": "flush", "timeout": s} (waits for the pushes under way to end, tp 1 only: {"flushed": bool}),
+{"op": "reset_prefix_cache"} (vLLM's prefix cache emptied, so that prompts run before give no local hits:
+{"reset": true}), {"op": "corrupt", "on": bool} (the negative control's switch below, for the requests after it:
+{"corrupt": on}), {"op": "exit"}. tests/vllm_driver.py starts these processes and drives them. Settings: prompts,
+block_size, max_tokens, kv_transfer_params, kv_cache_bytes, extra (the connector's kv_connector_extra_config), and
+optionally dtype (bfloat16), tp (1: over vLLM's `mp` executor when more), max_model_len (1024), prefix_caching
+(false), max_num_seqs (vLLM's default).
 """
 
 from __future__ import annotations
@@ -52,22 +56,30 @@ def start(role: str, model_dir: str, settings: dict):
     )  # fmt: skip
 
 
-def corrupt_pulled_keys() -> None:
+CORRUPTING = [False]  # whether the wrapper below reverses what it writes (the session's "corrupt" command)
+
+
+def corrupt_pulled_keys(on: bool = True) -> None:
     """The negative control of test_vllm.py: the connector writes every pulled key with its rows reversed, so a
     decode that really reads the pulled KV gives other tokens. Installed in this process, where vLLM's worker runs
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0 and the uni executor), by wrapping the worker half's one write of a layer."""
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0 and the uni executor), by wrapping the worker half's one write of a layer
+    (once); `on` False leaves the wrapper writing what arrived, unchanged."""
     from handoff_client.vllm._worker import WorkerHalf
 
+    CORRUPTING[0] = on
+    if getattr(WorkerHalf._write_layer, "corrupting", False):
+        return
     write = WorkerHalf._write_layer
 
     def write_reversed_keys(self, load, layer_name: str, arrived: dict) -> None:
         key_name, _ = self.tensors[layer_name]
-        if key_name in arrived:
+        if CORRUPTING[0] and key_name in arrived:
             keys = arrived[key_name].copy()
             keys[load.first : load.rows] = keys[load.first : load.rows][::-1]
             arrived = {**arrived, key_name: keys}
         write(self, load, layer_name, arrived)
 
+    write_reversed_keys.corrupting = True
     WorkerHalf._write_layer = write_reversed_keys
 
 
@@ -123,6 +135,15 @@ def session(llm, start_seconds: float) -> None:
             answer = generate(llm, command["prompts"], transfers, command["max_tokens"])
         elif command["op"] == "release":
             answer = {"blocks_held": blocks_held_after_release(llm)}
+        elif command["op"] == "flush":  # (the worker's connector lives in this process: the uni executor)
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            answer = {"flushed": get_kv_transfer_group().flush(command.get("timeout", 60))}
+        elif command["op"] == "reset_prefix_cache":
+            answer = {"reset": llm.reset_prefix_cache()}
+        elif command["op"] == "corrupt":
+            corrupt_pulled_keys(command["on"])
+            answer = {"corrupt": command["on"]}
         else:
             break
         print(json.dumps(answer), flush=True)
