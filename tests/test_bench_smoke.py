@@ -41,8 +41,8 @@ def test_throughput_runs_every_path_against_its_baselines(tmp_path: Path):
         assert set(row["broker_cpu_s_per_gib"]) == {"stream", "tcp", "shm"}
         assert all(seconds >= 0 for seconds in row["broker_cpu_s_per_gib"].values())
         assert row["relay_cpu_s_per_gib"] >= 0 and row["checked_relay_cpu_s_per_gib"] >= 0
-    assert "x tcp relay" in printed
-    assert "(broker CPU and pipelining are reported from 16 MiB up" in printed  # (1 MiB: fixed costs)
+    assert set(figures["throughput"]) == {"16 MiB"}  # one size in a quick run: each costs ~20 role processes
+    assert "x tcp relay" in printed and "broker CPU, s per GiB moved:" in printed
 
 
 def test_prompts_move_only_the_filled_rows_against_the_padded_hand_off(tmp_path: Path):
