@@ -286,8 +286,9 @@ def test_a_prefill_instance_whose_pushes_fail_logs_why_and_releases_every_page(e
     refused = engines["refused-pushes"]
     report = refused.report()  # (it ran start to finish: its prompts, the pushes' end awaited, the pages counted)
     assert report["blocks_held"] == 0 and len(report["tokens"]) == len(PROMPTS)
-    logged = refused.text()
+    logged = refused.text()  # (its stdout and stderr: the connector logs where vLLM does, its stream: stdout)
     assert logged.count("was not pushed: CAPACITY_EXHAUSTED") == len(PROMPTS), logged[-3000:]
+    assert "handoff connector: 2 layers" in logged  # the start-up line, at INFO, seen in an offline engine too
 
 
 def test_a_decode_instance_whose_broker_serves_another_contract_is_refused_at_start_up(engines, brokers, contract):

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ._compat import check_vllm
 from ._groups import engine_state_dtype, group_map
 from ._last_token import check_engine
+from ._logs import log_through_vllm
 from ._scheduler import HandoffConnectorMetadata, SchedulerHalf
 from ._settings import ConnectorSettings, served_contract
 from ._stats import HandoffConnectorStats, HandoffPromMetrics
@@ -31,6 +32,7 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         check_vllm()  # a vLLM whose connector API this does not know is refused by name, before anything else
+        log_through_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
@@ -94,7 +96,9 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished pushes and loads, and the loads that failed: vLLM recomputes those requests' prompts."""
-        released, received = self.worker.get_finished(finished_req_ids)
+        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(metadata, HandoffConnectorMetadata) and metadata.idle  # (a step that computes nothing)
+        released, received = self.worker.get_finished(finished_req_ids, idle)
         return KVConnectorTransferResults(released, received, self.worker.take_failed(received))
 
     def get_kv_connector_stats(self) -> HandoffConnectorStats | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from handoff_client.protocol.contract import Contract
+from handoff_client.protocol.contract import MODEL_NAME, Contract
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 30.0
@@ -94,6 +94,12 @@ def served_contract(vllm_config: Any, settings: ConnectorSettings, state_dtype: 
     name = settings.model or model_config.served_model_name
     if isinstance(name, list):
         name = name[0]
+    if not MODEL_NAME.fullmatch(name):  # vLLM names a model its path when served_model_name is not given
+        raise ValueError(
+            f"the handoff connector names its contract after the served model, and {name!r} is not a contract model "
+            "name (a letter or digit, then up to 127 of letters, digits and ._:/@+-): set kv_connector_extra_config's "
+            "`model` (or vLLM's served_model_name) to the model name the broker's contract has"
+        )
     return contract_from_config(
         model_config.hf_config.to_dict(),
         ctx=model_config.max_model_len,

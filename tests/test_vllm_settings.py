@@ -1,0 +1,39 @@
+"""The connector's contract name, decided against vLLM's own config objects (no engine: a VllmConfig is what the
+connector is given, and building one reads only the model's config.json)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from handoff_client.vllm._settings import ConnectorSettings, served_contract
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    """vLLM's config of a tiny Llama, as an offline `LLM(model=PATH)` given no served_model_name builds it."""
+    from transformers import LlamaConfig
+    from vllm.config import ModelConfig, VllmConfig
+
+    folder = tmp_path_factory.mktemp("model") / "tiny-llama"
+    LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024).save_pretrained(folder)  # fmt: skip
+    model = ModelConfig(model=str(folder), skip_tokenizer_init=True, max_model_len=1024, dtype="bfloat16")
+    return VllmConfig(model_config=model)
+
+
+def test_a_model_vllm_names_by_its_path_is_refused_naming_the_connector_setting(vllm_config):
+    """vLLM names a model by its path when no served_model_name is given; no contract is named so. The refusal names
+    the path and the setting that fixes it, not a `--model` flag (in vLLM that is the model's path)."""
+    path = vllm_config.model_config.served_model_name
+    assert Path(path).is_dir()  # what vLLM itself chose, checked: the premise of the test
+    with pytest.raises(ValueError) as refused:
+        served_contract(vllm_config, ConnectorSettings.from_extra_config({"target": "127.0.0.1:1"}))
+    assert repr(path) in str(refused.value) and "kv_connector_extra_config's `model`" in str(refused.value)
+    assert "--model" not in str(refused.value)
+
+
+def test_the_connector_setting_names_the_contract(vllm_config):
+    settings = ConnectorSettings.from_extra_config({"target": "127.0.0.1:1", "model": "tiny-llama"})
+    contract = served_contract(vllm_config, settings)
+    assert contract.model == "tiny-llama" and contract.ctx == 1024
