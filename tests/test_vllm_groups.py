@@ -94,6 +94,41 @@ def test_layers_and_tensors_that_do_not_meet_are_refused_by_name():
         group_map(swapped, contract)
 
 
+FALCON_H1 = {"model_type": "falcon_h1", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16,
+             "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_d_conv": 4}  # fmt: skip
+
+
+def test_a_falcon_h1_layer_is_two_vllm_layers_each_taking_its_own_tensors():
+    """Falcon-H1 runs a Mamba2 mixer beside attention in every decoder layer: vLLM has two layers of each index, in
+    a Mamba group and an attention group; the mixer takes the layer's conv tensors and SSM state, the attention its
+    keys and values (before, the mixer's name `model.{L + i}.mixer` was refused, naming no layer index, and the
+    attention layer was given all of the index's tensors: 'holds keys and values; the contract gives it [...]')."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as Shapes
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    contract = contract_from_config(FALCON_H1, ctx=64, state_dtype="bfloat16")
+    shapes = Shapes.mamba2_state_shape(1, 64, 1, 4, 16, 8, 4)
+    mamba = MambaSpec(block_size=64, shapes=shapes, dtypes=(torch.bfloat16, torch.bfloat16),
+                      mamba_type=MambaAttentionBackendEnum.MAMBA2)  # fmt: skip
+    # vLLM names decoder layer i's mixer model.{2 + i}.mixer (models/falcon_h1.py), its attention model.layers.{i}
+    config = kv_cache_config([([f"model.layers.{i}.self_attn.attn" for i in range(2)], attention_spec()),
+                              ([f"model.{2 + i}.mixer" for i in range(2)], mamba)])  # fmt: skip
+    groups = group_map(config, contract)
+    assert {n: (p.group, p.kind) for n, p in groups.layers.items()} == {
+        **{f"model.layers.{i}.self_attn.attn": (0, Kind.ATTENTION) for i in range(2)},
+        **{f"model.{2 + i}.mixer": (1, Kind.STATE) for i in range(2)},
+    }
+    assert [t.name for t in groups.layers["model.3.mixer"].tensors] == [
+        f"layers.1.mamba.{n}" for n in ("conv_x", "conv_b", "conv_c", "ssm")]  # fmt: skip
+    assert groups.layer_of["layers.0.self_attn.k_cache"] == "model.layers.0.self_attn.attn"
+    assert groups.written_groups == (0, 1)
+    no_mixer = kv_cache_config([([f"model.layers.{i}.self_attn.attn" for i in range(2)], attention_spec())])
+    with pytest.raises(UnsupportedGroups, match=r"\['layers\.0\.mamba\.conv_x'.* of layer 0, which no vLLM"):
+        group_map(no_mixer, contract)
+
+
 def test_a_window_ring_must_be_what_vllm_keeps():
     contract = contract_from_config(GEMMA3, ctx=64)
     groups = group_map(kv_cache_config([(["model.layers.0.self_attn.attn"], attention_spec(WINDOW)),

@@ -34,6 +34,9 @@ from typing import Any
 from handoff_client.protocol.contract import Carried, Contract
 
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+FALCON_H1_MIXER = re.compile(r"^model\.(\d+)\.mixer$")
+"""vLLM's Falcon-H1 (models/falcon_h1.py) names decoder layer i's Mamba2 mixer `model.{L + i}.mixer`, L the decoder
+layers, so that "all attention/ssm layers have different index in prefix"; its attention is `model.layers.{i}...`."""
 NULL_BLOCK = 0
 """vLLM's null block id: a placeholder in a block table, never a page of the request's own."""
 
@@ -159,7 +162,7 @@ def _plan(name: str, group: int, spec: Any, tensors: list[Carried], contract: Co
     kind_name = type(spec).__name__
     where = f"{contract.model}: vLLM layer `{name}` (KV-cache group {group}, {kind_name})"
     names = [t.name for t in tensors]
-    if hasattr(spec, "shapes") and hasattr(spec, "mamba_type"):  # MambaSpec
+    if _is_state_spec(spec):
         if any(t.rows_are_positions for t in tensors) or len(tensors) < 2:
             raise UnsupportedGroups(f"{where} holds recurrent state; the contract gives it {names}")
         conv = [t for t in tensors if t is not tensors[-1]]
@@ -223,31 +226,57 @@ def group_map(kv_cache_config: Any, contract: Contract, windows: Mapping[str, in
     for carried in contract.carried:
         by_layer.setdefault(carried.layer, []).append(carried)
     plans: dict[str, LayerPlan] = {}
-    claimed: dict[int, str] = {}
+    claimed: dict[tuple[int, bool], str] = {}  # (layer index, its state side) -> the vLLM layer
     groups = kv_cache_config.kv_cache_groups
+    decoder_layers = 1 + max(by_layer, default=-1)
     for g, group in enumerate(groups):
         for name, spec in _layer_specs(group).items():
-            index = LAYER_INDEX.search(name + ".")
-            if index is None:
+            layer = _layer_index(name, decoder_layers)
+            if layer is None:
                 raise UnsupportedGroups(f"{contract.model}: vLLM layer `{name}` names no layer index")
-            layer = int(index.group(1))
-            tensors = by_layer.get(layer)
+            state = _is_state_spec(spec)
+            tensors = _side(by_layer.get(layer, []), state)
             if not tensors:
                 raise UnsupportedGroups(f"{contract.model}: vLLM layer `{name}` (KV-cache group {g}) has pages, the "
                                         f"contract carries nothing of layer {layer}")  # fmt: skip
-            if layer in claimed:
-                raise UnsupportedGroups(f"{contract.model}: layer {layer} is both vLLM's `{claimed[layer]}` and "
-                                        f"`{name}`")  # fmt: skip
+            if (layer, state) in claimed:
+                raise UnsupportedGroups(f"{contract.model}: layer {layer} is both vLLM's `{claimed[layer, state]}` "
+                                        f"and `{name}`")  # fmt: skip
             if not getattr(group, "enable_kv_transfer", True):
                 raise UnsupportedGroups(f"{contract.model}: vLLM layer `{name}` is in KV-cache group {g}, which vLLM "
                                         "does not transfer, but the contract carries it")  # fmt: skip
-            claimed[layer] = name
+            claimed[layer, state] = name
             plans[name] = _plan(name, g, spec, tensors, contract, windows)
-    if left := sorted(set(by_layer) - set(claimed)):
-        names = [t.name for t in by_layer[left[0]]]
-        raise UnsupportedGroups(f"{contract.model}: the contract carries {names} of layer {left[0]}, which no vLLM "
-                                "KV-cache group holds")  # fmt: skip
+    held = {t.name for plan in plans.values() for t in plan.tensors}
+    if left := [t for t in contract.carried if t.name not in held]:
+        names = [t.name for t in by_layer[left[0].layer] if t.name not in held]
+        raise UnsupportedGroups(f"{contract.model}: the contract carries {names} of layer {left[0].layer}, which no "
+                                "vLLM KV-cache group holds")  # fmt: skip
     return GroupMap(plans, len(groups))
+
+
+def _layer_index(name: str, decoder_layers: int) -> int | None:
+    """The decoder layer a vLLM layer name belongs to (`...layers.{i}....`, or Falcon-H1's mixer `model.{L + i}.mixer`
+    when L + i is past the decoder layers); None when the name says none."""
+    if index := LAYER_INDEX.search(name + "."):
+        return int(index.group(1))
+    if (mixer := FALCON_H1_MIXER.match(name)) and int(mixer.group(1)) >= decoder_layers:
+        return int(mixer.group(1)) - decoder_layers
+    return None
+
+
+def _is_state_spec(spec: Any) -> bool:
+    return hasattr(spec, "shapes") and hasattr(spec, "mamba_type")  # a MambaSpec
+
+
+def _side(tensors: list[Carried], state: bool) -> list[Carried]:
+    """A layer index's tensors for one vLLM layer of it: all of them, unless the index holds recurrent state beside
+    attention (Falcon-H1: a Mamba2 mixer and attention in one decoder layer, two vLLM layers in two KV-cache groups);
+    then the state layer takes the state tensors (not positional, not scales) and the attention layer the rest."""
+    is_state = [not t.rows_are_positions and not t.name.endswith(".scale") for t in tensors]
+    if all(is_state) or not any(is_state):
+        return tensors
+    return [t for t, s in zip(tensors, is_state) if s == state]
 
 
 def engine_state_dtype(kv_cache_config: Any) -> str | None:
