@@ -90,7 +90,8 @@ class Engine:
         self.log.close()
 
 
-def build_model(folder: Path, kv_heads: int) -> None:
+def build_model(folder: Path, kv_heads: int) -> subprocess.Popen:
+    """The tiny Llama of `kv_heads` KV heads, saved with transformers in a process of its own: that process."""
     build = (
         "import sys, torch\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
@@ -100,7 +101,7 @@ def build_model(folder: Path, kv_heads: int) -> None:
         "                  tie_word_embeddings=False)\n"
         "LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])\n"
     )
-    subprocess.run([sys.executable, "-c", build, str(folder)], check=True, capture_output=True, timeout=300)
+    return subprocess.Popen([sys.executable, "-c", build, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +109,12 @@ def fleet(tmp_path_factory):
     """The broker (both models' float32 contracts) and, per model, a TP 1 and a TP 2 engine, all four started at
     once; yields {model: (tp1, tp2)} and the broker."""
     tmp = tmp_path_factory.mktemp("vllm-tp")
-    contracts, dirs = {}, {}
-    for name, kv_heads in MODELS.items():
-        dirs[name] = tmp / name
-        build_model(dirs[name], kv_heads)
+    dirs = {name: tmp / name for name in MODELS}
+    builds = {name: build_model(dirs[name], kv_heads) for name, kv_heads in MODELS.items()}  # both at once
+    contracts = {}
+    for name, build in builds.items():
+        _, err = build.communicate(timeout=300)
+        assert build.returncode == 0, err.decode()[-3000:]
         config = json.loads((dirs[name] / "config.json").read_text())
         contracts[name] = contract_from_config(config, ctx=1024, dtype="float32", model=name)
     broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts=contracts))
