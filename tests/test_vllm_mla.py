@@ -38,6 +38,7 @@ ROW_BYTES = LAYERS * WIDTH * 4  # one token's latents, float32
 PROMPTS = [[(i * 7 + n) % 500 + 3 for i in range(n)] for n in (7, 40, 77)]  # under a block of 16, blocks, mid-block
 MAX_TOKENS = 6  # the decode lengths of the prompts stay apart: a recorded read's length names its prompt
 KV_CACHE_BYTES = 64 << 20
+TP = 2  # the producer's and the consumer's: rank 0 pushes the latent, rank 1 its empty part; both ranks pull it whole
 ASK = {"do_remote_decode": True, "do_remote_prefill": False}
 
 BUILD = """
@@ -55,12 +56,17 @@ DeepseekV2ForCausalLM(config).save_pretrained(sys.argv[1])
 class Engine:
     """A vLLM instance in its own process (tests/vllm_mla_roles.py), kept for the module, one JSON command a line."""
 
-    def __init__(self, role: str, model_dir: Path, tmp: Path, target: str) -> None:
+    def __init__(self, role: str, model_dir: Path, tmp: Path, target: str, tp: int = 1) -> None:
         file = tmp / f"{role}.json"
-        file.write_text(json.dumps({"session": True, "kv_cache_bytes": KV_CACHE_BYTES,
+        file.write_text(json.dumps({"session": True, "kv_cache_bytes": KV_CACHE_BYTES, "tp": tp,
                                     "extra": {"target": target, "model": MODEL}}))  # fmt: skip
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        self.tmp, self.role = tmp, role
+        reads = tmp / f"{role}-reads"
+        reads.mkdir()
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "HANDOFF_TEST_MLA_READS": str(reads)}  # fmt: skip
+        if tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp))
+        self.tmp, self.role, self.tp = tmp, role, tp
         self.log_path = tmp / f"{role}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen([sys.executable, str(ROLES), role, str(model_dir), str(file)],
@@ -82,12 +88,14 @@ class Engine:
     def generate(self, prompts, params=None, max_tokens: int = MAX_TOKENS) -> dict:
         return self.ask("generate", prompts=prompts, params=params, max_tokens=max_tokens)
 
-    def reads(self) -> dict[tuple[str, int], torch.Tensor]:
-        """The latent rows vLLM's MLA decode read since the last call: {(layer, seq_len): (seq_len, WIDTH)}."""
-        path = self.tmp / f"{self.role}-{time.monotonic_ns()}.pt"
-        self.ask("latents", path=str(path))
-        saved = torch.load(path)
-        return {(key.rsplit("|", 1)[0], int(key.rsplit("|", 1)[1])): rows for key, rows in saved.items()}
+    def reads(self) -> dict[tuple[int, str, int], torch.Tensor]:
+        """The latent rows vLLM's MLA decode read on each TP rank since the last call: {(rank, layer, seq_len):
+        (seq_len, WIDTH)}."""
+        out = {}
+        for key, path in self.ask("latents").items():
+            rank, layer, length = key.split("|")
+            out[int(rank), layer, int(length)] = torch.load(path)
+        return out
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -114,8 +122,8 @@ def fleet(tmp_path_factory):
     broker.start()
     engines = {}
     try:
-        for role in ("producer", "consumer", "plain"):
-            engines[role] = Engine(role, model_dir, tmp, broker.address)
+        for role, tp in (("producer", TP), ("consumer", TP), ("plain", 1)):
+            engines[role] = Engine(role, model_dir, tmp, broker.address, tp)
         for engine in engines.values():
             assert "ready" in engine.answer()
         yield engines, broker
@@ -148,9 +156,23 @@ def hand_off(producer: Engine, prompt: list[int]) -> tuple[dict, dict]:
     params = producer.generate([prompt], [dict(ASK)], max_tokens=2)["kv_transfer_params"][0]
     reads = producer.reads()
     n = len(prompt)
+    for (rank, layer, length), rows in reads.items():  # the latent is the same on every TP rank
+        assert_same_bits(rows, reads[0, layer, length], f"producer's rank {rank}, {layer}, at {length}")
     return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}, {
-        layer: rows for (layer, length), rows in reads.items() if length == n + 1
+        layer: rows for (rank, layer, length), rows in reads.items() if rank == 0 and length == n + 1
     }
+
+
+def check_loaded(decoder: Engine, reads: dict, prompt: list[int], produced: dict) -> None:
+    """On every decode rank, the decoder's first read of the prompt computed only its last token (the rest was
+    loaded), and each layer's rows of the handed-off positions are the producer's, bit for bit."""
+    n = len(prompt)
+    assert len(produced) == LAYERS
+    for rank in range(decoder.tp):
+        for layer, rows in produced.items():
+            first = min(length for (r, name, length) in reads if (r, name) == (rank, layer) and length >= n)
+            assert first == n, f"rank {rank}, {layer}: the decoder's first read of a prompt of {n} was at {first}"
+            assert_same_bits(reads[rank, layer, n][: n - 1], rows[: n - 1], f"rank {rank}, {layer}, prompt of {n}")
 
 
 def test_the_decoders_latent_rows_are_the_prefill_instances_bit_for_bit(fleet):
@@ -166,12 +188,7 @@ def test_the_decoders_latent_rows_are_the_prefill_instances_bit_for_bit(fleet):
     decoded = engines["consumer"].generate(PROMPTS, [params for params, _ in handed])
     reads = engines["consumer"].reads()
     for prompt, (_, produced) in zip(PROMPTS, handed, strict=True):
-        n = len(prompt)
-        assert len(produced) == LAYERS
-        for layer, rows in produced.items():
-            first = min(length for (name, length) in reads if name == layer and length >= n)
-            assert first == n  # the decoder computed only the last prompt token: the rest it loaded
-            assert_same_bits(reads[(layer, n)][: n - 1], rows[: n - 1], f"{layer}, prompt of {n}")
+        check_loaded(engines["consumer"], reads, prompt, produced)
     assert decoded["cached"] == [len(p) for p in PROMPTS]  # loaded, whole: the decoder recomputed the last token
 
 
@@ -186,9 +203,6 @@ def test_one_request_at_a_time_the_decoder_gives_the_plain_engines_tokens(fleet)
         plain = engines["plain"].generate([prompt])
         assert decoded["tokens"] == plain["tokens"], f"prompt of {len(prompt)}"
         assert decoded["cached"] == [len(prompt)] and plain["cached"] == [0]
-        reads = engines["consumer"].reads()
-        n = len(prompt)
-        for layer, rows in produced.items():
-            assert_same_bits(reads[(layer, n)][: n - 1], rows[: n - 1], f"{layer}, prompt of {n}")
+        check_loaded(engines["consumer"], engines["consumer"].reads(), prompt, produced)
         tokens.append(plain["tokens"][0])
     assert len({tuple(t) for t in tokens}) == len(PROMPTS)  # the oracle tells the prompts apart

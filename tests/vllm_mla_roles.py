@@ -1,13 +1,16 @@
 """tests/vllm_roles.py's vLLM instance for the MLA tests: `python tests/vllm_mla_roles.py ROLE MODEL_DIR SETTINGS.json`,
 the same roles, settings and session commands, with vLLM's CPU MLA backend (CPU_MLA: block 16, no chunked prefill,
-no prefix caching, forced by vLLM itself), `max_num_seqs` 4 unless given, and `dtype` float32 unless given.
+no prefix caching, forced by vLLM itself), `max_num_seqs` 4 unless given, `dtype` float32 unless given, and `tp` (1:
+the uni executor; more: vLLM's `mp` executor, one worker process a rank).
 
-Besides them, the session takes {"op": "latents", "path": FILE}: it saves (torch.save) the latent rows vLLM's own
-MLA decode read since the previous such command, and forgets them. They are recorded where CPU_MLA's decode reads
-them: `CPUMLAImpl.forward_mqa` is wrapped (in this process, where vLLM's worker runs: the uni executor) to copy, for
-each decode request of the batch, the rows `kv_c_and_k_pe_cache[block_table[b, t // N], t % N]` for t < seq_lens[b],
-by the block table and sequence lengths vLLM hands its decode kernel, before the kernel runs. Saved as
-{"LAYER|SEQ_LEN": (seq_len, kv_lora_rank + qk_rope_head_dim) tensor}, the first read of each layer at each length.
+Besides them, the session takes {"op": "latents"}: it answers with the latent rows vLLM's own MLA decode read, on
+every TP rank, since the previous such command, saved under the folder in HANDOFF_TEST_MLA_READS (one torch.save
+file each: {"RANK|LAYER|SEQ_LEN": file}), and forgets them. They are recorded where CPU_MLA's decode reads them:
+`CPUMLAImpl.forward_mqa` is wrapped, in every process this module is imported into (this one, and each TP worker vLLM
+spawns, which imports it as its main module), to copy, for each decode request of the batch, the rows
+`kv_c_and_k_pe_cache[block_table[b, t // N], t % N]` for t < seq_lens[b], by the block table and sequence lengths vLLM
+hands its decode kernel, before the kernel runs: a (seq_len, kv_lora_rank + qk_rope_head_dim) tensor, the first read
+of each layer at each length since the last collection.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import vllm_roles
 
-READ: dict[str, object] = {}  # "layer|seq_len" -> the rows CPU_MLA's decode read, the first time
+READS = os.environ.get("HANDOFF_TEST_MLA_READS")  # the folder the recorder saves into (none: no recording)
 
 
-def record_decode_reads() -> None:
-    """Wrap CPU_MLA's decode (forward_mqa) to copy the latent rows it is about to read (module docstring)."""
+def record_decode_reads(folder: str) -> None:
+    """Wrap CPU_MLA's decode (forward_mqa) to save the latent rows it is about to read (module docstring)."""
     import torch
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
     forward_mqa = CPUMLAImpl.forward_mqa
@@ -35,14 +39,21 @@ def record_decode_reads() -> None:
     def recording(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         decode = attn_metadata.decode
         block = kv_c_and_k_pe_cache.shape[-2]
+        rank = get_tensor_model_parallel_rank()
         for b, n in enumerate(decode.seq_lens.tolist()):
-            key = f"{layer.layer_name}|{n}"
-            if key not in READ:
+            path = Path(folder) / f"{rank}|{layer.layer_name}|{n}.pt"
+            if not path.exists():  # the first read at this length since the last collection
                 t = torch.arange(n)
-                READ[key] = kv_c_and_k_pe_cache[decode.block_table[b, t // block].long(), t % block].clone()
+                rows = kv_c_and_k_pe_cache[decode.block_table[b, t // block].long(), t % block]
+                torch.save(rows.clone(), path.with_suffix(".tmp"))
+                path.with_suffix(".tmp").rename(path)
         return forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)
 
     CPUMLAImpl.forward_mqa = recording
+
+
+if READS:  # at import: in this process and in every TP worker process vLLM spawns (it imports this module as main)
+    record_decode_reads(READS)
 
 
 def start(role: str, model_dir: str, settings: dict):
@@ -57,9 +68,10 @@ def start(role: str, model_dir: str, settings: dict):
             "kv_connector_extra_config": dict(settings["extra"]),
             "kv_load_failure_policy": "recompute",
         }
-    record_decode_reads()
+    tp = settings.get("tp", 1)
     return LLM(
-        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="uni",
+        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, tensor_parallel_size=tp,
+        distributed_executor_backend="uni" if tp == 1 else "mp",
         num_gpu_blocks_override=64, max_model_len=settings.get("max_model_len", 512),
         max_num_seqs=settings.get("max_num_seqs", 4), dtype=settings.get("dtype", "float32"),
         kv_cache_memory_bytes=settings["kv_cache_bytes"], kv_transfer_config=kv_transfer,
@@ -67,18 +79,15 @@ def start(role: str, model_dir: str, settings: dict):
 
 
 def session(llm, start_seconds: float) -> None:
-    import torch
-
     print(json.dumps({"ready": True, "start_seconds": start_seconds}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         if command["op"] == "generate":
             transfers = command.get("params") or [None] * len(command["prompts"])
             answer = vllm_roles.generate(llm, command["prompts"], transfers, command["max_tokens"])
-        elif command["op"] == "latents":
-            torch.save(dict(READ), command["path"])
-            answer = {"saved": len(READ)}
-            READ.clear()
+        elif command["op"] == "latents":  # (the step that read them has ended: every file is complete)
+            saved = Path(READS).glob("*.pt")
+            answer = {path.stem: str(path.rename(path.with_suffix(".read"))) for path in saved}
         else:
             break
         print(json.dumps(answer), flush=True)
