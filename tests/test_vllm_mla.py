@@ -178,7 +178,7 @@ def check_loaded(decoder: Engine, reads: dict, prompt: list[int], produced: dict
 def test_the_decoders_latent_rows_are_the_prefill_instances_bit_for_bit(fleet):
     """Three prompts (under a block, whole blocks, mid-block) handed off one by one and decoded in one batch: at the
     decoder's first read of each prompt, every layer's rows of the handed-off positions are the producer's, bit for
-    bit; the broker took in exactly those rows once."""
+    bit; the broker took in exactly those rows once; the producer holds no pages afterwards."""
     engines, broker = fleet
     before = received(broker)
     handed = [hand_off(engines["producer"], prompt) for prompt in PROMPTS]
@@ -190,6 +190,9 @@ def test_the_decoders_latent_rows_are_the_prefill_instances_bit_for_bit(fleet):
     for prompt, (_, produced) in zip(PROMPTS, handed, strict=True):
         check_loaded(engines["consumer"], reads, prompt, produced)
     assert decoded["cached"] == [len(p) for p in PROMPTS]  # loaded, whole: the decoder recomputed the last token
+    # Every producer rank reported each push finished, rank 1 too, which pushed nothing of its own: vLLM frees a
+    # request's pages only then.
+    assert engines["producer"].ask("release")["blocks_held"] == 0
 
 
 def test_one_request_at_a_time_the_decoder_gives_the_plain_engines_tokens(fleet):

@@ -3,7 +3,7 @@ the same roles, settings and session commands, with vLLM's CPU MLA backend (CPU_
 no prefix caching, forced by vLLM itself), `max_num_seqs` 4 unless given, `dtype` float32 unless given, and `tp` (1:
 the uni executor; more: vLLM's `mp` executor, one worker process a rank).
 
-Besides them, the session takes {"op": "latents"}: it answers with the latent rows vLLM's own MLA decode read, on
+Besides generate, release and exit, the session takes {"op": "latents"}: it answers with the latent rows vLLM's own MLA decode read, on
 every TP rank, since the previous such command, saved under the folder in HANDOFF_TEST_MLA_READS (one torch.save
 file each: {"RANK|LAYER|SEQ_LEN": file}), and forgets them. They are recorded where CPU_MLA's decode reads them:
 `CPUMLAImpl.forward_mqa` is wrapped, in every process this module is imported into (this one, and each TP worker vLLM
@@ -85,6 +85,8 @@ def session(llm, start_seconds: float) -> None:
         if command["op"] == "generate":
             transfers = command.get("params") or [None] * len(command["prompts"])
             answer = vllm_roles.generate(llm, command["prompts"], transfers, command["max_tokens"])
+        elif command["op"] == "release":
+            answer = {"blocks_held": vllm_roles.blocks_held_after_release(llm)}
         elif command["op"] == "latents":  # (the step that read them has ended: every file is complete)
             saved = Path(READS).glob("*.pt")
             answer = {path.stem: str(path.rename(path.with_suffix(".read"))) for path in saved}
