@@ -36,7 +36,7 @@ from . import sockets
 
 logger = logging.getLogger(__name__)
 
-# OPENING_TIMEOUT (handoff_client.protocol.lane): seconds a new connection has to present its opening and be taken by its call
+# OPENING_TIMEOUT (protocol.lane): seconds a new connection has to present its opening and be taken by its call
 MAX_OPENINGS = 64  # connections being read for their opening at once; past it a new one takes the place of another
 # Seconds the listeners rest when accept fails for want of descriptors: the first rest, and the most (it doubles).
 ACCEPT_REST = (0.02, 1.0)

@@ -5,6 +5,7 @@ code, no module of the broker or the client is past 400 lines."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,3 +57,13 @@ def test_no_module_of_the_broker_or_the_client_is_past_400_lines():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in written}
     assert len(sizes) > 40
     assert {path: lines for path, lines in sizes.items() if lines > MAX_LINES} == {}
+
+
+def test_the_broker_imports_nothing_private_of_the_client():
+    """The broker shares the client's public protocol package (handoff_client.protocol), never its private modules:
+    "private" means private."""
+    private = re.compile(r"handoff_client\._[a-z]")
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in SERVER.rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if private.search(line) and not line.lstrip().startswith("#")]  # fmt: skip
+    assert found == []

@@ -1,14 +1,14 @@
 """Tensor-parallel hand-offs (a `shard` on a push or a pull) are a group: each pushing rank's part is an entry of its
 own (under an internal key no caller can name), checked against that rank's view of the contract; the hand-off is
 whole once every pushing rank has committed. The first pull fixes the pulling TP size and cuts one entry per pulling
-rank (server/store/reshard.py); each is claimed, leased and confirmed on its own, exactly as a whole hand-off is, and the
+rank (reshard.py); each is claimed, leased and confirmed on its own, exactly as a whole hand-off is, and the
 group is gone once every pulling rank has confirmed. Any rank's push failing, or any part expiring, frees the group.
 
 A pull made while the push is under way does not wait for it: where each pulling rank needs exactly what one
 pushing rank sends, the group streams through (`stream_through`: no cut at all); otherwise the cut is made as the
 push arrives (`cut_as_pushed`), tensor by tensor, each as soon as every pushing rank holding it has all of it.
 
-`TensorParallel` does this on the store's holdings (server/store/holdings.py), under its lock; the arithmetic of heads is
+`TensorParallel` does this on the store's holdings (holdings.py), under its lock; the arithmetic of heads is
 handoff_client/protocol/shards.py, the cut itself server/store/reshard.py.
 """
 

@@ -2,8 +2,8 @@
 the timers — and the one way anything leaves (`free`, `end_group`), so that leaving always releases its bytes,
 leaves its tombstone, wakes its waiters and ends its group the same way.
 
-The store's parts (server/store/intake.py for pushes, server/store/delivery.py for claims, server/store/groups.py for tensor-parallel
-hand-offs, server/store/store.py for the rest) share one `Holdings`. Every method here runs with `lock` held.
+The store's parts (intake.py for pushes, delivery.py for claims, groups.py for tensor-parallel
+hand-offs, store.py for the rest) share one `Holdings`. Every method here runs with `lock` held.
 """
 
 from __future__ import annotations
