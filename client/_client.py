@@ -130,6 +130,7 @@ class HandoffClient:
         self._shared_memory = shared_memory  # (and until the shared-memory lane turns out unreachable from here)
         self._tcp_lane_unreachable_until = 0.0  # (time.monotonic(): until then the TCP lane is not tried)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._closed = False
         self._channel = make_channel(
             target, CHANNEL_OPTIONS + tuple(options), credentials, tls_root_certificates=tls_root_certificates,
             tls_certificate_chain=tls_certificate_chain, tls_private_key=tls_private_key,
@@ -161,6 +162,7 @@ class HandoffClient:
         )
 
     def close(self) -> None:
+        self._closed = True  # (a call the close cancelled is not retried on the closed channel)
         self._channel.close()
 
     def __enter__(self) -> Self:
@@ -388,7 +390,7 @@ class HandoffClient:
                 return attempt(max(deadline - time.monotonic(), 0.0))
             except HandoffError as e:
                 delay = next(delays, None)
-                if not retryable(e) or delay is None or time.monotonic() + delay >= deadline:
+                if self._closed or not retryable(e) or delay is None or time.monotonic() + delay >= deadline:
                     raise
                 logger.info("retrying in %.3f s after %s: %s", delay, type(e).__name__, e.message)
                 time.sleep(delay)

@@ -93,7 +93,7 @@ class BrokerClients:
     def _let_go(self, held: _Held) -> None:
         with self._lock:
             held.calls -= 1
-            closing = held.retired and held.calls == 0
+            closing = held.retired and held.calls == 0 and held in self._retiring  # (not when close() took it)
             if closing:
                 self._retiring.remove(held)
         if closing:

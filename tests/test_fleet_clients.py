@@ -155,3 +155,39 @@ def test_a_broker_that_left_the_set_has_its_connection_closed_once_its_last_call
             time.sleep(1.1)  # the clients' sweep interval
             fleet.list_contracts()  # a call that sweeps
             wait_until(lambda: connections_to(port) == 0, 5)
+
+
+def test_closing_the_fleet_client_under_a_pull_on_a_departed_broker_ends_that_pull_with_its_own_error(
+    tmp_path, start_broker, contracts, monkeypatch
+):
+    """close() ends every call at once, a pull on a retired client (its broker left the set) too: that pull ends
+    with its own error, not one from the bookkeeping of a client close() has already taken."""
+    import handoff_client._fleet as fleet_module
+    from handoff_client import HandoffError
+
+    monkeypatch.setattr(fleet_module, "LEFT_RECENTLY", 0.5)
+    with running_etcd(tmp_path) as (etcd, _):
+        staying, leaving = start_broker(etcd=etcd, etcd_lease=2), start_broker(etcd=etcd, etcd_lease=2)
+        brokers = sorted([staying.address, leaving.address])
+        fleet = HandoffClient(etcd, refresh=0.2, timeout=20)
+        wait_until(lambda: sorted(fleet._set.brokers()) == brokers, 5)
+        late = ids_for(leaving.address, brokers, "late", 1)[0]
+        ended: list[BaseException] = []
+
+        def pull() -> None:
+            try:
+                fleet.pull(MODEL, late, timeout=15)
+            except BaseException as e:  # noqa: BLE001 - what the pull ends with is what the test reads
+                ended.append(e)
+
+        pulling = threading.Thread(target=pull)
+        pulling.start()
+        wait_until(lambda: leaving.admission.waiting.taken == 1, 5)
+        leaving.registration.stop(revoke=True)
+        wait_until(lambda: leaving.address not in fleet._set.brokers(), 5)
+        time.sleep(1.2)  # past LEFT_RECENTLY and the sweep interval
+        fleet.list_contracts()  # a call that sweeps: the pull's client is retired, still held
+        fleet.close()
+        pulling.join(10)
+        assert not pulling.is_alive() and len(ended) == 1
+        assert isinstance(ended[0], HandoffError), repr(ended[0])

@@ -118,6 +118,11 @@ class SchedulerHalf:
         self._local_hits: dict[str, int] = {}  # consumer: tokens vLLM's own prefix cache holds, as it told us
         self.stats = HandoffConnectorStats()
 
+    def shutdown(self) -> None:
+        """Close the fleet client that places pushes, if any (its channels and its membership's watch)."""
+        if self._fleet is not None:
+            self._fleet.close()
+
     def handoff_id(self, request_id: str) -> str:
         """Request ids are the engine's own (an offline run numbers them from 0): the engine id makes them unique,
         and the prompt's digest ends it, so an id names one prompt's KV."""

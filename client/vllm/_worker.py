@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -67,8 +66,6 @@ IDLE_WAIT_SECONDS = 0.005
 """How long a step that computes nothing waits for a pull to end: vLLM would step again at once, and its empty steps,
 dozens while a pull is under way, take the GIL from the pull's thread (docs/performance.md). Bounded, so a request
 arriving meanwhile waits at most this long to be scheduled."""
-
-LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class WorkerHalf:
@@ -173,11 +170,13 @@ class WorkerHalf:
         if self._stream is None:
             yield
             return
-        with torch.cuda.stream(self._stream):
-            if after is not None:
-                self._stream.wait_event(after)
-            yield
-        self._stream.synchronize()
+        try:
+            with torch.cuda.stream(self._stream):
+                if after is not None:
+                    self._stream.wait_event(after)
+                yield
+        finally:  # also when the block fails: no copy of a failed load may land after vLLM recomputes the blocks
+            self._stream.synchronize()
 
     # -- producer -----------------------------------------------------------------------------------------------------
 
@@ -270,6 +269,9 @@ class WorkerHalf:
                                          f"{load.rows} tokens: refused, not loaded short or long")  # fmt: skip
                     arrived[carried.name] = array
                     self._write_layer(load, self.layer_of[carried.name], arrived)
+            if pulled.position != load.rows:  # (a pull that brought this rank no tensor at all)
+                raise ValueError(f"the hand-off is at position {pulled.position}, the request's load expects "
+                                 f"{load.rows} tokens: refused")  # fmt: skip
             nbytes = sum(a.nbytes for a in arrived.values())
         except Exception as e:  # noqa: BLE001 - any failure at all: vLLM recomputes the blocks
             why = f"{e.reason} {e.message}" if isinstance(e, HandoffError) else repr(e)
