@@ -49,7 +49,7 @@ from handoff_client import HandoffClient, contract_from_config, from_numpy, to_n
 from handoff_client.vllm._layouts import Geometry
 from handoff_client.vllm._mla_pages import LatentGeometry, LatentLayout
 from handoff_client.vllm._pages import FlashLayout
-from handoff_client.vllm._state_pages import StateTensor, state_layout
+from handoff_client.vllm._state_pages import Orientation, StateTensor, state_layout
 
 LAYOUTS_FILE = Path(__file__).with_name("gpu_pages_layouts.json")
 GiB = 1 << 30
@@ -263,7 +263,8 @@ def hybrid_case(client, contract, described, order, tokens, side, device):
     ssm_shape = (v_heads, v_dim, k_dim) if transposed else (v_heads, k_dim, v_dim)
     layout = state_layout([StateTensor(c.name, c.rows, c.cols, c.heads, c.head_dim) for c in state],
                           [conv_shape, ssm_shape], [DTYPE, torch.float32], conv_dim_first=False,
-                          transposed=transposed, layer="layers.0")  # fmt: skip
+                          orientation=Orientation.TRANSPOSED if transposed else Orientation.AS_IS,  # (a GPU's)
+                          layer="layers.0")  # fmt: skip
     content = math.prod(conv_shape) * 2 + math.prod(ssm_shape) * 4
     pages = [torch.zeros(6, 2 * content, dtype=torch.int8, device=device)[:, :content].view(6, 1, 1, content)
              for _ in range(2)]  # fmt: skip
