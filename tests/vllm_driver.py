@@ -34,7 +34,7 @@ class Engine:
     """One vLLM instance in its own process (`script ROLE MODEL_DIR SETTINGS.json`), its output kept in `folder`."""
 
     def __init__(self, role: str, model_dir: Path, folder: Path, settings: dict, *, script: Path = ROLES,
-                 bind: str | None = None, name: str | None = None) -> None:  # fmt: skip
+                 bind: str | None = None, name: str | None = None, env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.name = name or role
         self.session = bool(settings.get("session"))
         stem = f"{self.name}-{time.monotonic_ns()}"
@@ -44,7 +44,7 @@ class Engine:
         self.printed: list[str] = []
         self._ready = False
         env = {**os.environ, "VLLM_CACHE_ROOT": str(folder / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "VLLM_CPU_OMP_THREADS_BIND": bind or next_core()}  # fmt: skip
+               "VLLM_CPU_OMP_THREADS_BIND": bind or next_core(), **(env or {})}  # fmt: skip
         with open(self.err_path, "w") as err, open(self.out_path, "w") as out:
             self.process = subprocess.Popen([sys.executable, str(script), role, str(model_dir), str(file)],
                                             stdin=subprocess.PIPE if self.session else subprocess.DEVNULL,
