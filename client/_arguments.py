@@ -38,10 +38,10 @@ def as_arrays(model: str, tensors: object, argument: str = "tensors") -> dict[st
             "(the names are the contract's: [c.name for c in client.get_contract(model).carried])",
             model,
         )
-    return {name: _host_array(model, name, value) for name, value in tensors.items()}
+    return {name: host_array(model, name, value) for name, value in tensors.items()}
 
 
-def _host_array(model: str, name: str, value: object) -> object:
+def host_array(model: str, name: str, value: object) -> object:
     if isinstance(value, np.ndarray):
         return value
     torch = sys.modules.get("torch")  # (a torch tensor exists only where torch is imported already)

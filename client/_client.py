@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Self, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Self, TypeVar
 
 import grpc
 import numpy as np
@@ -39,6 +39,7 @@ from ._calls import (
 )
 from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
 from ._lane_choice import choose, connections_for
+from ._produced import CheckedState, is_produced, producing
 from ._pulls import PullAttempts, PulledTensors, destinations
 from ._pushes import PushAttempts, PushResult
 from ._status import BrokerStatus
@@ -200,7 +201,7 @@ class HandoffClient:
         model: str,
         handoff_id: str,
         position: int,
-        tensors: Mapping[str, np.ndarray],
+        tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
         *,
         timeout: float | None = None,
         ttl: float | None = None,
@@ -222,15 +223,31 @@ class HandoffClient:
         arrays (its heads of each split tensor, `(rows, heads/tp × head_dim)`; rank 0 also the tensors not split).
         Every rank pushes under the same id, concurrently; the hand-off is pullable once all have. A sharded push
         that breaks is resumed like a whole one, rank by rank.
+
+        `tensors` may also be an iterable of (name, array) pairs still being made, a generator copying them out of
+        an engine's pages, say: the push sends each as soon as it is made while the iterable, on a thread of its
+        own, makes the next (handoff_client._produced). Each array is checked as it is sent; an array that fails,
+        or the iterable raising, ends the push (the broker keeps nothing) with that error. When `push` returns or
+        raises, the iterable has stopped and nothing reads its arrays any more.
         """
-        position, tensors = checked_position(model, position), as_arrays(model, tensors)
+        position = checked_position(model, position)
+        arrays = None if is_produced(tensors) else as_arrays(model, tensors)
         part = as_shard(model, shard)
         contract = view(self.get_contract(model).at(position), part, pushing=True)
-        handoff = contract.take(position, cut_to_filled(contract, tensors))
-        attempts = PushAttempts(self, contract, handoff_id, handoff, part, ttl=ttl, wait_for_room=wait_for_room,
-                                resumable=resumable)  # fmt: skip
+        options = {"ttl": ttl, "wait_for_room": wait_for_room, "resumable": resumable}
+        if arrays is not None:
+            handoff = contract.take(position, cut_to_filled(contract, arrays))
+            return self._push_attempts(contract, handoff_id, handoff, part, timeout, **options)
+        with producing(model, tensors) as made:
+            handoff = Handoff(position, CheckedState(made, contract))
+            return self._push_attempts(contract, handoff_id, handoff, part, timeout, **options)
+
+    def _push_attempts(
+        self, contract: Contract, handoff_id: str, handoff: Handoff, part: Shard, timeout: float | None, **options: Any
+    ) -> PushResult:
+        attempts = PushAttempts(self, contract, handoff_id, handoff, part, **options)
         response = self._with_retries(attempts.run, retryable_push, timeout)
-        ticket = make_ticket(self.target, model, handoff_id, contract.fingerprint)
+        ticket = make_ticket(self.target, contract.model, handoff_id, contract.fingerprint)
         return PushResult(
             response.handoff_id, response.bytes, response.chunks, response.digest, response.duplicate, ticket
         )

@@ -32,22 +32,20 @@ import base64
 import hashlib
 import json
 import logging
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Self, TypeVar
 
 from ._fleet_clients import BrokerClients
+from ._fleet_order import in_order, named, probe_then_wait
 from ._fleet_pulls import FleetPulledTensors, Route
 from ._members import LEFT_RECENTLY, BrokerSet
-from .protocol.errors import BrokerUnavailable, HandoffError, MalformedRequest, WaitTimedOut
+from ._produced import ProducedTensors, is_produced, producing
+from .protocol.errors import BrokerUnavailable, HandoffError, MalformedRequest
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 TICKET_PREFIX = "hb1:"
-PROBE_SECONDS = 0.2
-"""How long a pull waits at each of the next brokers in score order before settling at the first."""
-PROBED = 3
 
 
 def is_fleet(target: str) -> bool:
@@ -86,76 +84,6 @@ def read_ticket(ticket: str) -> dict[str, str]:
         return fields
     except (ValueError, UnicodeDecodeError):
         raise MalformedRequest(f"`{ticket[:40]}` is not a hand-off ticket (a push returns one)") from None
-
-
-def named(broker: str, error: HandoffError) -> HandoffError:
-    """The error, with the broker it came from in its message and fields."""
-    if error.fields.get("broker") != broker:
-        error.fields["broker"] = broker
-        error.message = f"broker {broker}: {error.message}"
-        error.args = (error.message,)
-    return error
-
-
-def in_order(brokers: list[str], attempt: Callable[[str], T]) -> T:
-    """The first broker in order that answers; the next on UNAVAILABLE (down or draining)."""
-    last: HandoffError | None = None
-    for broker in brokers:
-        try:
-            return attempt(broker)
-        except BrokerUnavailable as e:
-            last = named(broker, e)
-    raise last or BrokerUnavailable._rebuild("no broker in the set", {})
-
-
-def probe_then_wait(
-    brokers: list[str],
-    pull: Callable[[str, float, float | None], T],
-    timeout: float,
-    departed: Mapping[str, float] | None = None,
-) -> T:
-    """Ask the first few brokers briefly (the push may have gone to the next one while the first was down), then
-    wait at the first that answers for what is left of `timeout`. `pull(broker, timeout, wait_for_push)`: a probe
-    waits PROBE_SECONDS for the push to begin, but a hand-off it finds streams for the whole of what is left.
-
-    `departed`: brokers in `brokers` that have left the set (with how long ago): probed, since a hand-off pushed
-    there before it left may still be there, but never waited at, since no new push goes there. When the first
-    broker, the hand-off's own, cannot be reached and no probed broker holds the hand-off, that is the answer:
-    BrokerUnavailable naming it, at once."""
-    departed = departed or {}
-    deadline = time.monotonic() + timeout
-    answering: list[str] = []
-    unreachable: dict[str, HandoffError] = {}
-    last: HandoffError | None = None
-    for broker in brokers[:PROBED]:
-        try:
-            return pull(broker, max(deadline - time.monotonic(), 0.0), PROBE_SECONDS)
-        except WaitTimedOut:
-            if broker not in departed:
-                answering.append(broker)
-        except BrokerUnavailable as e:
-            last = named(broker, e)
-            if type(e) is BrokerUnavailable:  # (not draining, not a lane that broke: the broker is not there)
-                unreachable[broker] = last
-        except HandoffError as e:  # (it had the hand-off, and something else went wrong: that is the answer)
-            raise named(broker, e) from None
-    if brokers and brokers[0] in unreachable:
-        raise owner_gone(brokers[0], unreachable[brokers[0]], departed.get(brokers[0]))
-    for broker in answering[:1] or [b for b in brokers[PROBED:] if b not in departed][:1]:
-        try:
-            return pull(broker, max(deadline - time.monotonic(), 0.0), None)
-        except HandoffError as e:
-            raise named(broker, e) from None
-    raise last or WaitTimedOut._rebuild("no broker in the set holds the hand-off", {})
-
-
-def owner_gone(broker: str, error: HandoffError, left_ago: float | None) -> HandoffError:
-    """The error of a pull whose hand-off's own broker cannot be reached, saying what that means."""
-    where = "it is in the set" if left_ago is None else f"it left the set {left_ago:.1f} s ago"
-    error.message += (f" (the first broker in this hand-off's rendezvous order; {where}; the next brokers do not "
-                      "hold it: a hand-off pushed there is lost with it)")  # fmt: skip
-    error.args = (error.message,)
-    return error
 
 
 FLEET_CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (("grpc.use_local_subchannel_pool", 1),)
@@ -219,7 +147,11 @@ class FleetClient:
         and nowhere else, so the ticket is never wrong about where the hand-off went; if that broker cannot take it,
         the push fails (and the decoder, following the ticket, hears at once that the broker is unreachable, or
         does not hold it). Every tensor-parallel rank given the same broker meets there. Only a broker this client's
-        set holds, or once held, is pushed to (MalformedRequest otherwise)."""
+        set holds, or once held, is pushed to (MalformedRequest otherwise). `tensors` still being made (an iterable
+        of pairs) are made once, and every broker tried is sent the same arrays."""
+        if is_produced(tensors) and not isinstance(tensors, ProducedTensors):
+            with producing(model, tensors) as made:
+                return self.push(model, handoff_id, position, made, broker=broker, **kwargs)
         if broker is not None:
             if not self._set.known(broker):
                 self._set.read_now()  # it may have joined since this client last read the set

@@ -13,7 +13,7 @@ import numpy as np
 
 from ._lane_choice import connections_for, describe, fell_back, frame_bytes, open_frames
 from .protocol.contract import Contract, Handoff
-from .protocol.errors import LaneBroken, UnknownHandoff, from_rpc_error
+from .protocol.errors import HandoffError, LaneBroken, UnknownHandoff, from_rpc_error
 from .protocol.frames import crc32c, encode_chunk
 from .protocol.lane import LaneClosed, LaneUnreachable, new_capability
 from .protocol.messages import handoff_pb2 as pb
@@ -83,20 +83,26 @@ class PushAttempts:
         self.resumable = resumable
         self.attempts = 0
         self.lanes = True  # until a lane breaks: the retries then go on the stream
+        self.unmade: Exception | None = None  # why a tensor could not be sent (made or checked): the push's error
 
     def run(self, timeout: float) -> pb.PushResponse:
         self.attempts += 1
         held = self._held(timeout) if self.resumable and self.attempts > 1 else None
         lane = self.client.lane(self.contract.nbytes) if self.lanes else None
-        if lane is None:
-            frames = self._stream_frames(self._header(held is not None), held)
-            return self.client._call(self.client._push, frames, timeout)
-        capability, connections = new_capability(), connections_for(lane, self.client.lane_connections)
         try:
-            return self._on_lane(lane, capability, connections, held, timeout)
-        except LaneBroken as e:
-            self.lanes = False
-            fell_back("push", e)
+            if lane is None:
+                frames = self._stream_frames(self._header(held is not None), held)
+                return self.client._call(self.client._push, frames, timeout)
+            capability, connections = new_capability(), connections_for(lane, self.client.lane_connections)
+            try:
+                return self._on_lane(lane, capability, connections, held, timeout)
+            except LaneBroken as e:
+                self.lanes = False
+                fell_back("push", e)
+                raise
+        except HandoffError:
+            if self.unmade is not None:  # the push ended short because a tensor could not be made: say why
+                raise self.unmade from None
             raise
 
     def _header(self, resume: bool, lane_capability: bytes = b"", lane_connections: int = 0) -> bytes:
@@ -127,9 +133,13 @@ class PushAttempts:
         return {t.tensor: [(r.offset, r.length) for r in t.received] for t in progress.tensors}
 
     def _stream_frames(self, header: bytes, held: Held) -> Iterator[bytes]:
+        """The push's frames; a tensor that cannot be made ends them short (the broker then drops the push)."""
         yield header
-        for _, name, offset, data in self._chunks(held, self.client.chunk_bytes):
-            yield encode_chunk(name, offset, data)
+        try:
+            for _, name, offset, data in self._chunks(held, self.client.chunk_bytes):
+                yield encode_chunk(name, offset, data)
+        except Exception as e:  # noqa: BLE001 - raised by the caller's iterable or a check: `run` raises it
+            self.unmade = e
 
     def _on_lane(
         self, lane: pb.Lane, capability: bytes, connections: int, held: Held, timeout: float
@@ -159,6 +169,10 @@ class PushAttempts:
                 frames.end()
             except OSError:
                 pass  # the broker ended the lane: the call says why
+            except Exception as e:  # a tensor that could not be made: the push ends short, with it
+                self.unmade = e
+                call.cancel()
+                raise
             finally:
                 frames.close()
         try:

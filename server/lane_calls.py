@@ -188,9 +188,9 @@ def received_chunks(
     (`max_bytes`), and `check(index, offset, length)` (the push's: within its tensor, over nothing received, so
     within what the call reserved). It is not zeroed, and its pages are touched only as the bytes arrive: a header
     that claims more than its sender sends holds no more memory than was sent (docs/lanes.md, "What a lane holds")."""
-    for sock in frames.socks if isinstance(frames, StripedFrames) else [frames.sock]:
-        sock.settimeout(idle_timeout)
     try:
+        for sock in frames.socks if isinstance(frames, StripedFrames) else [frames.sock]:
+            sock.settimeout(idle_timeout)  # (a lane its call's end closed meanwhile is broken here already)
         while True:
             try:
                 header = frames.read_header()

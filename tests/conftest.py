@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -114,7 +115,12 @@ def assert_same_bits(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) ->
         assert bits(got[name]) == bits(wanted), name
 
 
-def assert_holds_nothing(broker: Broker) -> None:
-    """No hand-off in any phase, no byte reserved."""
+def assert_holds_nothing(broker: Broker, within: float = 0.0) -> None:
+    """No hand-off in any phase, no byte reserved (`within`: by then, for a call its client ended, which the broker's
+    own thread for it frees as soon as it hears)."""
+    deadline = time.monotonic() + within
     stats = broker.store.stats()
+    while stats.receiving + stats.ready + stats.claimed + stats.resident_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+        stats = broker.store.stats()
     assert (stats.receiving, stats.ready, stats.claimed, stats.resident_bytes) == (0, 0, 0, 0), stats

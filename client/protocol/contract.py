@@ -103,7 +103,7 @@ class Handoff:
     """A prompt's state after `position` tokens: each carried tensor's values by name, shaped as declared."""
 
     position: int
-    state: dict[str, np.ndarray]
+    state: Mapping[str, np.ndarray]  # a dict; while a push is still making them, a CheckedState
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ sliding window's ring, a recurrent state page), learns the page layout of the at
 serving another contract is refused, naming both fingerprints).
 
 Producer: nothing runs on the forward pass. `wait_for_save`, at the end of the step that computed a prompt's last
-token, hands the request to a background sender, which copies each layer's keys and values for the prompt's rows out
-of the pages into the contract's layout (after the step's kernels, on a stream of its own on a GPU) and pushes them.
+token, hands the request to a background sender, which pushes each layer's keys and values for the prompt's rows
+while it copies the next layer's out of the pages into the contract's layout (after the step's kernels, on a stream
+of its own on a GPU): the push takes the copy as an iterable of tensors still being made (handoff_client._produced).
 The scheduler half holds the request's pages (`request_finished` returns True) until the push has ended, committed
 or failed; then `get_finished` releases them (finished sending), and vLLM, which steps while it holds a finished
 request's pages, sees the push's stats at once. A preempted request's pages are freed by vLLM itself, so the next
@@ -209,12 +210,10 @@ class WorkerHalf:
     def _push(self, save: SaveSpec, written: torch.cuda.Event | None, copied: threading.Event) -> None:
         started = time.perf_counter()
         try:
-            with self._on_own_stream(after=written):
-                tensors = self._copy_out(save)
-            copied.set()
             placed = {"broker": save.broker} if save.broker else {}  # (a fleet: where the ticket says it goes)
-            result = self.client.push(self.contract.model, save.handoff_id, save.rows, tensors,
-                                      ttl=self.settings.ttl or None, shard=self._part(), **placed)  # fmt: skip
+            result = self.client.push(self.contract.model, save.handoff_id, save.rows,
+                                      self._copied_out(save, written, copied), ttl=self.settings.ttl or None,
+                                      shard=self._part(), **placed)  # fmt: skip
         except HandoffError as e:
             logger.warning("hand-off %s was not pushed: %s %s", save.handoff_id, e.reason, e.message)
             return self._record_failure(pushing=True)
@@ -224,18 +223,26 @@ class WorkerHalf:
         with self._lock:
             self.stats.record_push(result.bytes, time.perf_counter() - started)
 
-    def _copy_out(self, save: SaveSpec) -> dict[str, np.ndarray]:
-        """This rank's part of every layer's tensors after the prompt's rows, out of the pages, in the contract's
-        layout (its heads' columns; at TP 1 the whole): attention rows, a window's ring, a state block."""
-        tensors = {}
-        for layer_name, mover in self.movers.items():
-            plan = mover.plan
-            if not any(t.name in self.pushed for t in plan.tensors):
-                continue  # its heads are pushed by a lower rank holding them too
-            for name, tensor in mover.gather(self.pages[layer_name], save.block_ids[plan.group], save.rows).items():
-                if name in self.pushed:
-                    tensors[name] = to_numpy(tensor.cpu())
-        return tensors
+    def _copied_out(
+        self, save: SaveSpec, written: torch.cuda.Event | None, copied: threading.Event
+    ) -> Iterator[tuple[str, np.ndarray]]:
+        """This rank's part of every layer's tensors after the prompt's rows, copied out of the pages layer by layer
+        in the contract's layout (its heads' columns; at TP 1 the whole: attention rows, a window's ring, a state
+        block), each yielded as soon as its layer is copied. `copied` is set once no copy reads the pages any more:
+        the last layer copied, or the push ended first (the push stops its iterable, which ends here)."""
+        try:
+            for layer_name, mover in self.movers.items():
+                plan = mover.plan
+                if not any(t.name in self.pushed for t in plan.tensors):
+                    continue  # its heads are pushed by a lower rank holding them too
+                with self._on_own_stream(after=written):
+                    gathered = mover.gather(self.pages[layer_name], save.block_ids[plan.group], save.rows)
+                    arrays = [
+                        (name, to_numpy(tensor.cpu())) for name, tensor in gathered.items() if name in self.pushed
+                    ]
+                yield from arrays
+        finally:
+            copied.set()
 
     def _record_failure(self, pushing: bool) -> None:
         with self._lock:
