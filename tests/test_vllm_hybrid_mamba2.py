@@ -17,7 +17,7 @@ import json
 
 import numpy as np
 import pytest
-from hybrid_engines import Engine, hand_off, received
+from hybrid_engines import hand_off, received, start_engine
 from tiny_hybrids import build_tiny_hybrid
 
 vllm = pytest.importorskip(
@@ -68,14 +68,14 @@ def broker(contracts):
 @pytest.fixture(scope="module")
 def instances(contracts, broker, tmp_path_factory):
     """One kv_both instance per model, started at once."""
-    started = {kind: Engine("both", model_dir, tmp_path_factory.mktemp(kind), max_num_batched_tokens=CHUNK,
-                            extra={"target": broker.address, "model": contract.model})
+    started = {kind: start_engine("both", model_dir, tmp_path_factory.mktemp(kind), max_num_batched_tokens=CHUNK,
+                                  extra={"target": broker.address, "model": contract.model})
                for kind, (model_dir, contract) in contracts.items()}  # fmt: skip
     try:
-        yield {kind: engine.ready() for kind, engine in started.items()}
+        yield {kind: instance.ready() for kind, instance in started.items()}
     finally:
-        for engine in started.values():
-            engine.close()
+        for instance in started.values():
+            instance.close()
 
 
 @pytest.mark.parametrize("kind", list(STATE_DTYPES))
