@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ._layouts import Geometry, PageLayout, UnsupportedLayout, kernel_block_ids
+from ._page_layout import Geometry, PageLayout, UnsupportedLayout, kernel_block_ids
 
 
 class PermutedLayout(PageLayout):

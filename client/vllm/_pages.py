@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._layouts import CacheWriter, Geometry, PageLayout, UnsupportedLayout, kernel_block_ids
+from ._page_layout import CacheWriter, Geometry, PageLayout, UnsupportedLayout, kernel_block_ids
 
 EXACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SENTINEL = -1.0  # no index code is negative: an element still holding it was never written
