@@ -1,11 +1,11 @@
 """`pull_tensors` over a fleet: one pull's tensors, as each arrives whole, from the broker that holds the hand-off.
 
 The broker is the ticket's, when the ticket names a broker this client's set has held; else it is found as
-FleetClient.pull finds it (_fleet.py): a brief look at the first brokers in rendezvous order, then a wait at the first
-that answers. Either way the pull is that broker's `HandoffClient.pull_tensors` (_pulls.py): its chunks on a lane or
-the stream, a lane that breaks starting over on the stream within the same call, every chunk checked, the claim
-confirmed only at the end. Errors name the broker. The broker's connection is held (_fleet_clients.py) until the
-iteration ends, however it ends.
+FleetClient.pull finds it (_fleet_order.py): a brief look at the first brokers in rendezvous order, then a wait at
+the first that answers. Either way the pull is that broker's `HandoffClient.pull_tensors` (_pulls.py): its chunks on
+a lane or the stream, a lane that breaks starting over on the stream within the same call, every chunk checked, the
+claim confirmed only at the end. Errors name the broker. The broker's connection is held (_fleet_clients.py) until
+the iteration ends, however it ends.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._fleet_order import named, probe_then_wait
 from .protocol.errors import HandoffError
 
 if TYPE_CHECKING:
@@ -83,8 +84,6 @@ class FleetPulledTensors:
         return self._pulled is not None and self._pulled.left_its_lane
 
     def __iter__(self) -> Iterator[tuple[Carried, Any]]:
-        from ._fleet import named, probe_then_wait
-
         route = self._route
         if route.broker is not None:
             try:
