@@ -7,6 +7,10 @@ the values made up) out of a prefill engine's CPU_ATTN pages (block 128) into a 
 Per prompt length, medians of --runs, each path in this one process (a producer and a consumer thread):
     gather       the background sender's copy of every layer's rows out of the pages into the contract's layout,
                  after the prefill step (the connector adds nothing to the step itself)
+    copy, push   from the end of the prefill to the broker holding the hand-off (committed), when the whole prompt
+                 is copied first and then pushed (the producer before #28 §5) ...
+    while        ... and when each layer is pushed while the next is copied (a push of tensors still being made,
+                 as the producer does now); `x` is the first over the second
     handoff      from the end of the prefill (the gather done) to the decoder having the KV in its pages: push
                  through a broker process and pull, each layer written into the decoder's pages as it arrives
     files        the same request through files on this machine, as vLLM's ExampleConnector moves it: each layer
@@ -26,8 +30,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from _harness import llama3_8b  # (this folder: the same Llama-3-8B manifest throughput.py measures)
 from handoff_client import HandoffClient, from_numpy, to_numpy
@@ -64,15 +70,27 @@ def run(layers: int, tokens: int, runs: int, target: str, workdir: Path) -> dict
         write_prompt(cache, ids, 128, layer, tokens)
         source.append((cache, ids))
     names = [(f"layers.{i}.self_attn.k_cache", f"layers.{i}.self_attn.v_cache") for i in range(layers)]
-    figures: dict[str, list[float]] = {"gather": [], "handoff": [], "files": []}
-    for attempt in range(runs):
-        started = time.perf_counter()
-        tensors = {}
+    figures: dict[str, list[float]] = {"gather": [], "copy_then_push": [], "push_while_copying": [], "handoff": [],
+                                       "files": []}  # fmt: skip
+
+    def copied_out() -> Iterator[tuple[str, np.ndarray]]:
         for (cache, ids), (k_name, v_name) in zip(source, names):
             keys, values = producer_layout.gather(cache, ids, tokens)
-            tensors[k_name], tensors[v_name] = to_numpy(keys), to_numpy(values)
-        gathered = time.perf_counter()
-        figures["gather"].append(gathered - started)
+            yield from ((k_name, to_numpy(keys)), (v_name, to_numpy(values)))
+
+    for attempt in range(runs):
+        started = time.perf_counter()
+        tensors = dict(copied_out())
+        figures["gather"].append(time.perf_counter() - started)
+
+        with HandoffClient(target, timeout=300) as pusher:  # the producer's two ways, in turn (order alternating)
+            ways = [("copy_then_push", lambda: dict(copied_out())), ("push_while_copying", copied_out)]
+            for way, made in ways if attempt % 2 == 0 else ways[::-1]:
+                key = f"{way}-{tokens}-{attempt}"
+                started = time.perf_counter()
+                pusher.push("llama-3-8b-shaped", key, tokens, made())
+                figures[way].append(time.perf_counter() - started)
+                pusher.cancel("llama-3-8b-shaped", key)
 
         destination = [pages(tokens, 32) for _ in range(layers)]
         with HandoffClient(target, timeout=300) as pusher, HandoffClient(target, timeout=300) as puller:
@@ -109,6 +127,8 @@ def run(layers: int, tokens: int, runs: int, target: str, workdir: Path) -> dict
         "bytes": nbytes,
         **{f"{name}_ms_per_1k_tokens": 1000 * statistics.median(times) * per_1k for name, times in figures.items()},
         "handoff_vs_files": statistics.median(figures["files"]) / statistics.median(figures["handoff"]),
+        "copy_then_push_vs_while": statistics.median(figures["copy_then_push"])
+        / statistics.median(figures["push_while_copying"]),
     }
 
 
@@ -142,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
             broker.terminate()
             broker.wait(timeout=20)
     print(f"Llama-3-8B-shaped KV ({layers} layers), CPU_ATTN pages, block 128 -> block 32, ms per 1k prompt tokens")
-    print("  prompt     MiB   gather (background)     handoff (end of prefill -> KV in pages)   files   x files")
+    print("  prompt     MiB   gather (background)   copy, push    while      x   "
+          "handoff (gathered -> KV in pages)   files   x files")  # fmt: skip
     for r in results:
         print(f"  {r['tokens']:>6} {r['bytes'] / MiB:>7.0f} {r['gather_ms_per_1k_tokens']:>16.1f}"
-              f" {r['handoff_ms_per_1k_tokens']:>35.1f} {r['files_ms_per_1k_tokens']:>14.1f}"
-              f" {r['handoff_vs_files']:>8.2f}")  # fmt: skip
+              f" {r['copy_then_push_ms_per_1k_tokens']:>17.1f} {r['push_while_copying_ms_per_1k_tokens']:>8.1f}"
+              f" {r['copy_then_push_vs_while']:>6.2f} {r['handoff_ms_per_1k_tokens']:>27.1f}"
+              f" {r['files_ms_per_1k_tokens']:>14.1f} {r['handoff_vs_files']:>8.2f}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

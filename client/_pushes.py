@@ -4,6 +4,7 @@ keep — and the chunks each attempt sends."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -100,10 +101,13 @@ class PushAttempts:
                 self.lanes = False
                 fell_back("push", e)
                 raise
-        except HandoffError:
-            if self.unmade is not None:  # the push ended short because a tensor could not be made: say why
-                raise self.unmade from None
-            raise
+        except Exception:
+            if self.unmade is None:
+                raise
+            if self.resumable:  # the broker keeps a broken resumable push for a retry that will not come
+                with contextlib.suppress(HandoffError):
+                    self.client.cancel(self.contract.model, self.handoff_id, timeout=min(timeout, 5.0))
+            raise self.unmade from None  # the push ended short because a tensor could not be made: say why
 
     def _header(self, resume: bool, lane_capability: bytes = b"", lane_connections: int = 0) -> bytes:
         message = pb.PushHeader(

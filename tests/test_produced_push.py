@@ -82,9 +82,11 @@ def test_each_tensor_is_sent_while_the_next_is_still_being_made(client: HandoffC
     assert_same_bits(client.pull(DEMO, "r", timeout=10).state, tensors)
 
 
+@pytest.mark.parametrize("resumable", [False, True])
 def test_an_iterable_that_raises_ends_the_push_with_its_error_and_the_broker_keeps_nothing(
-    client: HandoffClient, broker, caplog
+    client: HandoffClient, broker, caplog, resumable
 ):
+    """Even a resumable push, which the broker keeps when its stream breaks, for a retry: there is none to come."""
     tensors = filled(client)
     names = list(tensors)
     gone = RuntimeError("the pages were freed")
@@ -95,14 +97,15 @@ def test_an_iterable_that_raises_ends_the_push_with_its_error_and_the_broker_kee
 
     maker = Maker(tensors, between=fail_after_three)
     with pytest.raises(RuntimeError) as raised:
-        client.push(DEMO, "r", POSITION, maker)
+        client.push(DEMO, "r", POSITION, maker, resumable=resumable)
     assert raised.value is gone and maker.closed.is_set()
     assert maker.made == names[:3]
     assert_holds_nothing(broker, within=5)
     faults = [r.getMessage() for r in caplog.records if r.name.startswith("handoff_broker") and r.levelno >= ERROR]
     assert not faults, f"the broker took the ended push for a fault of its own: {faults}"
-    client.push(DEMO, "r", POSITION, tensors)  # the id is free: nothing of the failed push was kept
-    assert_same_bits(client.pull(DEMO, "r", timeout=10).state, tensors)
+    again = "r-again" if resumable else "r"  # (a resumable one is cancelled, and its id with it: docs/lifecycle.md)
+    client.push(DEMO, again, POSITION, tensors)  # nothing of the failed push was kept
+    assert_same_bits(client.pull(DEMO, again, timeout=10).state, tensors)
 
 
 def test_a_tensor_the_iterable_leaves_out_or_makes_at_the_wrong_size_is_refused_by_name(client: HandoffClient, broker):
