@@ -70,7 +70,7 @@ HYBRID = {"model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 
 
 def describe(out: Path) -> None:
     import vllm
-    from handoff_client.vllm._state_pages import learn_transposed
+    from handoff_client.vllm._orientation import learn_transposed
     from vllm.v1.kv_cache_interface import KVCacheLayout
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

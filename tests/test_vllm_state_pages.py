@@ -17,14 +17,8 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip insta
 import vllm_pages
 from handoff_client._architectures import contract_from_config
 from handoff_client.protocol.shards import Shard, ShardContract, held_heads
-from handoff_client.vllm._state_pages import (
-    Orientation,
-    StateTensor,
-    check_bound_views,
-    learn_orientation,
-    learn_transposed,
-    state_layout,
-)
+from handoff_client.vllm._orientation import learn_orientation, learn_transposed, mamba2_kernel_states, orientation_of
+from handoff_client.vllm._state_pages import Orientation, StateTensor, check_bound_views, state_layout
 
 K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL = 2, 4, 16, 24, 4  # k_dim != v_dim: a wrong transpose cannot pass
 QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -210,6 +204,69 @@ def test_the_state_vllms_cpu_gdn_kernel_writes_is_read_as_transformers_s_h():
     memory = layout.gather(pages, BLOCK_ID)["layers.0.linear_attn.memory"].float()  # (k_dim, V·v_dim)
     s_h = k[0, 0].float()[:, :, None] * v[0, 0].float()[:, None, :]  # (V, k_dim, v_dim)
     torch.testing.assert_close(memory, s_h.permute(1, 0, 2).reshape(K_DIM, V_HEADS * V_DIM), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])  # Nemotron-H's (vLLM's default), the others'
+def test_the_state_vllms_cpu_mamba2_kernels_write_is_read_as_s_h(state_dtype):
+    """One token through each of the CPU build's own Mamba2 kernels, as its mixer runs them (the prefill's scan,
+    whose final state the mixer stores in the page; the decode's SSU backend, updating the page in place), from a
+    zero state with no decay and dt 1, writes S_h = x B^T per head (transformers' (head_dim, state)) into a page
+    from vLLM's allocator, through the view bind_kv_cache makes; with the orientation learned from those kernels the
+    connector reads it back as the contract's `ssm[p, h·N + n] = S_h[p, n]`. (Before, Mamba2's orientation on CPU
+    was taken from vLLM's calculator unprobed; vLLM 0.32's kernels agree with it, now checked.)"""
+    from vllm.config.mamba import MambaConfig
+    from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+    from vllm.model_executor.layers.mamba.ops.ssu_dispatch import CPUSSUBackend
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU build's kernels")
+    orientation = learn_orientation("MAMBA2", state_dtype)
+    assert orientation is Orientation.AS_IS
+    shapes, _, mamba_type = vllm_state("mamba2", 1)
+    dtypes = (torch.bfloat16, state_dtype)
+    config = {**NEMOTRON_H, "n_groups": GROUPS["mamba2"]}
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, M_HEADS, M_HEAD_DIM, generator=g).to(torch.bfloat16)
+    b = torch.randn(1, GROUPS["mamba2"], STATE, generator=g).to(torch.bfloat16)
+    c = torch.zeros_like(b)
+    group_of = torch.arange(M_HEADS) // (M_HEADS // GROUPS["mamba2"])  # head h reads group h / (heads / groups)
+    s_h = x[0].float()[:, :, None] * b[0].float()[group_of][:, None, :]  # (heads, head_dim, state)
+    one, slot = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([BLOCK_ID], dtype=torch.int32)
+    for kernel in ("prefill", "decode"):
+        pages, (_, state_view) = bound_views(shapes, dtypes, mamba_type)
+        out = torch.empty(1, M_HEADS, M_HEAD_DIM, dtype=torch.bfloat16)
+        if kernel == "prefill":
+            final = mamba_chunk_scan_combined_varlen(
+                x, torch.ones(1, M_HEADS, dtype=torch.bfloat16), torch.zeros(M_HEADS), b, c, 256, cu_seqlens=one,
+                cu_chunk_seqlens=one, last_chunk_indices=torch.tensor([0]), seq_idx=torch.tensor([0], dtype=torch.int32),
+                out=out, state_dtype=state_dtype)  # fmt: skip
+            state_view[slot] = final
+        else:
+            CPUSSUBackend(MambaConfig())(
+                state_view, x, torch.ones(1, M_HEADS, M_HEAD_DIM, dtype=torch.bfloat16),
+                torch.zeros(M_HEADS, M_HEAD_DIM, STATE), b, c, torch.zeros(M_HEADS, M_HEAD_DIM),
+                torch.zeros(M_HEADS, M_HEAD_DIM), state_batch_indices=slot, dst_state_batch_indices=slot, out=out)  # fmt: skip
+        layout = state_layout(contract_tensors(config, 0, Shard(0, 1)), shapes, dtypes, conv_dim_first=False,
+                              orientation=orientation)  # fmt: skip
+        ssm = layout.gather(pages, BLOCK_ID)["layers.0.mamba.ssm"].float()  # (head_dim, heads x state)
+        want = s_h.permute(1, 0, 2).reshape(M_HEAD_DIM, M_HEADS * STATE)
+        torch.testing.assert_close(ssm, want, rtol=0.02, atol=0.02, msg=kernel)
+
+
+def test_a_kernel_state_held_another_way_than_the_probes_know_is_not_taken_for_one():
+    """The probe's reading: the states vLLM's CPU Mamba2 kernels leave are S_h as is; the same S_h held transposed
+    in the page's memory (what a kernel keeping (state, head_dim) would leave) is no orientation the connector
+    converts for a page shaped (heads, head_dim, state), so start-up would refuse it."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU build's kernels")
+    written, held = mamba2_kernel_states(torch.float32)
+    assert {kernel: orientation_of(state, written) for kernel, state in held.items()} == {
+        "prefill": Orientation.AS_IS, "decode": Orientation.AS_IS}  # fmt: skip
+    transposed_memory = written.transpose(1, 2).contiguous().view(written.shape)
+    assert orientation_of(transposed_memory, written) is None
 
 
 def test_a_contract_that_does_not_hold_vllms_state_is_refused_naming_it():

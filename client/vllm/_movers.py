@@ -22,7 +22,8 @@ import torch
 
 from ._groups import Kind, LayerPlan, check_rows_held, state_block
 from ._layouts import PageLayout
-from ._state_pages import StatePageLayout, StateTensor, check_bound_views, learn_orientation, state_layout
+from ._orientation import learn_orientation
+from ._state_pages import StatePageLayout, StateTensor, check_bound_views, state_layout
 
 
 class AttentionMover:
@@ -76,15 +77,16 @@ class StateMover:
 
 def state_mover(plan: LayerPlan, pages: torch.Tensor, bound: Sequence[torch.Tensor] | None) -> StateMover:
     """The mover of a STATE layer: its page layout from vLLM's MambaSpec (shapes, dtypes, conv layout, orientation
-    learned from vLLM's own calculators and, on its CPU build, kernels), checked against the views vLLM's layer bound (`bound`, its `.kv_cache`)
-    where the worker can reach them; UnsupportedLayout naming what differs."""
+    learned from vLLM's own calculators and, on its CPU build, kernels: _orientation.py), checked against the views
+    vLLM's layer bound (`bound`, its `.kv_cache`) where the worker can reach them; UnsupportedLayout naming what
+    differs."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     spec = plan.spec
     tensors = [StateTensor(t.name, t.rows, t.cols, t.heads, t.head_dim) for t in plan.tensors]
     kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     layout = state_layout(tensors, spec.shapes, spec.dtypes, conv_dim_first=is_conv_state_dim_first(),
-                          orientation=learn_orientation(kind), layer=plan.layer)  # fmt: skip
+                          orientation=learn_orientation(kind, spec.dtypes[-1]), layer=plan.layer)  # fmt: skip
     if bound is not None:
         check_bound_views(layout, pages, bound, plan.layer)
     return StateMover(plan, layout)

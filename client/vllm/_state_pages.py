@@ -14,22 +14,24 @@ columns, in the contract's order, are the channels in the page's order (one `con
 `conv_x/b/c`), rows the kernel-1 kept inputs in time order; and the recurrent state as one tensor holding per head
 h a matrix S_h (rows × head_dim) either on its columns (`heads` > 0: tensor[x, h·head_dim + y] = S_h[x, y]) or
 stacked on its rows (`heads` = 0: tensor[h·rows/H + x, y]). How vLLM's page holds S_h (`Orientation`) is
-learned, not assumed (`learn_orientation`):
+learned, not assumed (`_orientation.learn_orientation`):
 
-    AS_IS          page[h] is S_h                                   Mamba2 (vLLM's calculator: (heads, head_dim, state))
+    AS_IS          page[h] is S_h                                   Mamba2 (vLLM's calculator: (heads, head_dim, state);
+                                                                    its CPU kernels too, probed)
     TRANSPOSED     page[h] is S_h transposed                        gated-delta-net where the kernels follow vLLM's
                                                                     calculator, (v_dim, k_dim) (its GPU kernels)
     REINTERPRETED  page[h], allocated (v_dim, k_dim), holds S_h     gated-delta-net on vLLM's CPU build: its kernels
                    (k_dim, v_dim) row-major in the same memory      view the page as (k_dim, v_dim)
                                                                     (`cpu/gdn_attention._ssm_state_view`)
 
-On the CPU build the orientation is learned by running vLLM's own decode kernel on a page, through the view its CPU
-path takes of it: a state read back after it must be S_h in transformers' orientation.
+On the CPU build the orientation is learned by running vLLM's own kernels (gated-delta-net's decode, Mamba2's prefill
+and decode) on a page, through the view its CPU path takes of it: a state read back after them must be S_h in
+transformers' orientation (_orientation.py).
 
 API for the worker, one state block (one request's running state) at a time:
 
     layout = state_layout(local_state_tensors, spec.shapes, spec.dtypes, conv_dim_first=...,
-                          orientation=learn_orientation(spec.mamba_type.name))
+                          orientation=learn_orientation(spec.mamba_type.name, spec.dtypes[-1]))
     layout.gather(pages, block_id) -> {contract name: (rows, cols) tensor}     # copies
     layout.scatter(pages, block_id, {contract name: (rows, cols) tensor})     # writes every state byte it owns
     layout.views(pages) -> (conv, recurrent)                                  # the typed views bind_kv_cache makes
@@ -41,7 +43,6 @@ Anything that does not fit (sizes, dtypes, a tensor left over) is refused with U
 from __future__ import annotations
 
 import enum
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
@@ -88,66 +89,6 @@ class StateGeometry:
     @property
     def conv_dim(self) -> int:
         return self.conv_shape[0] if self.conv_dim_first else self.conv_shape[1]
-
-
-def learn_transposed(mamba_type: str) -> bool:
-    """Whether vLLM's recurrent state for `mamba_type` ("gdn_attention"/"GDN_ATTN", "mamba2"/"MAMBA2") holds each
-    head's S_h transposed against the contract, read off vLLM's own MambaStateShapeCalculator with distinct sizes."""
-    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as Shapes
-
-    kind = mamba_type.upper()
-    if kind in ("GDN_ATTN", "GDN_ATTENTION", "GATED_DELTA_NET"):  # S_h is (k_dim, v_dim): k_dim 5, v_dim 7
-        _, state = Shapes.gated_delta_net_state_shape(1, 1, 2, 5, 7, 4)
-        rows, cols = 5, 7
-    elif kind == "MAMBA2":  # S_h is (head_dim, state): head_dim 5, state 7
-        _, state = Shapes.mamba2_state_shape(1, 10, 1, 2, 5, 7, 4)
-        rows, cols = 5, 7
-    else:
-        raise UnsupportedLayout(f"vLLM's {mamba_type} state pages are not ones handoff-broker's connector converts")
-    if tuple(state[1:]) == (cols, rows):
-        return True
-    if tuple(state[1:]) == (rows, cols):
-        return False
-    raise UnsupportedLayout(f"vLLM's {mamba_type} recurrent state {tuple(state)} is neither S_h nor its transpose")
-
-
-def _gdn_kernel_orientation() -> Orientation:
-    """How vLLM's CPU build's gated-delta-net kernels hold S_h in a page vLLM allocates as (heads, v_dim, k_dim):
-    one decode step of its own kernel (`fused_sigmoid_gating_delta_rule_update_cpu`) on a zero state, through the
-    view its CPU path takes of the page (`_ssm_state_view`), with beta 1 and no decay, writes S_h = k v^T
-    (transformers' delta rule); the page then holds that either as vLLM's shape says (transposed) or row-major in
-    its memory (reinterpreted). Anything else: UnsupportedLayout."""
-    import vllm._custom_ops as ops
-    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _ssm_state_view
-
-    heads, k_dim, v_dim = 2, 16, 32  # distinct sizes: a wrong orientation cannot pass
-    page = torch.zeros(2, heads, v_dim, k_dim, dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(1, 1, heads, d, generator=g).to(torch.bfloat16) for d in (k_dim, v_dim))
-    q = torch.zeros(1, 1, heads, k_dim, dtype=torch.bfloat16)
-    no_decay, beta_one = torch.full((1, heads), -30.0), torch.full((1, heads), 30.0)
-    zero = torch.zeros(heads, dtype=torch.bfloat16)
-    view = _ssm_state_view(types.SimpleNamespace(kv_cache=(None, page)))
-    ops.fused_sigmoid_gating_delta_rule_update_cpu(
-        zero, zero, q, k, v, no_decay.to(torch.bfloat16), beta_one.to(torch.bfloat16), view,
-        torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), False)  # fmt: skip
-    written = k[0, 0].float()[:, :, None] * v[0, 0].float()[:, None, :]  # S_h = k v^T, (heads, k_dim, v_dim)
-    for orientation, held in ((Orientation.REINTERPRETED, page[1].reshape(heads, k_dim, v_dim)),
-                              (Orientation.TRANSPOSED, page[1].transpose(1, 2))):  # fmt: skip
-        if torch.allclose(held.float(), written, rtol=0.02, atol=0.02):
-            return orientation
-    raise UnsupportedLayout("vLLM's CPU gated-delta-net kernel wrote a state that is neither S_h nor its transpose")
-
-
-def learn_orientation(mamba_type: str) -> Orientation:
-    """How vLLM's pages of `mamba_type` hold each head's S_h (module docstring): on vLLM's CPU build a
-    gated-delta-net page is probed through its own kernel; otherwise vLLM's calculator says (`learn_transposed`)."""
-    from vllm.platforms import current_platform
-
-    transposed = learn_transposed(mamba_type)
-    if transposed and current_platform.is_cpu():
-        return _gdn_kernel_orientation()
-    return Orientation.TRANSPOSED if transposed else Orientation.AS_IS
 
 
 class StatePageLayout:
