@@ -269,6 +269,51 @@ def test_a_kernel_state_held_another_way_than_the_probes_know_is_not_taken_for_o
     assert orientation_of(transposed_memory, written) is None
 
 
+def test_start_up_learns_each_kind_of_state_page_once_not_once_a_layer(monkeypatch):
+    """The worker makes a state mover per layer (`state_mover`, at register_kv_caches); the orientation, which
+    depends only on the layer's kind and state dtype, is learned once for each (kind, dtype) and shared: three
+    gated-delta-net layers and two Mamba2 layers (float32 state) run vLLM's CPU kernels once each, not once a
+    layer (counted by pass-through wrappers: the kernels still run). (Before, every layer probed again.)"""
+    import vllm._custom_ops as ops
+    from handoff_client.vllm._groups import Kind, LayerPlan
+    from handoff_client.vllm._movers import state_mover
+    from vllm.model_executor.layers.mamba.ops.ssu_dispatch import CPUSSUBackend
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU build's kernels")
+    runs = {"gdn": 0, "mamba2": 0}
+
+    def counted(kind, kernel):
+        def run(*args, **kwargs):
+            runs[kind] += 1
+            return kernel(*args, **kwargs)
+
+        return run
+
+    gdn_kernel = ops.fused_sigmoid_gating_delta_rule_update_cpu
+    monkeypatch.setattr(ops, "fused_sigmoid_gating_delta_rule_update_cpu", counted("gdn", gdn_kernel))
+    monkeypatch.setattr(CPUSSUBackend, "__call__", counted("mamba2", CPUSSUBackend.__call__))
+    if hasattr(learn_orientation, "cache_clear"):
+        learn_orientation.cache_clear()  # what other tests learned: this one counts from nothing
+    models = (("gdn", {**QWEN3_NEXT, "num_hidden_layers": 4, "full_attention_interval": 4}, 3),
+              ("mamba2", {**NEMOTRON_H, "hybrid_override_pattern": "MM*", "num_hidden_layers": 3}, 2))  # fmt: skip
+    for kind, config, layers in models:
+        shapes, dtypes, mamba_type = vllm_state(kind, 1)
+        contract = contract_from_config(config, state_dtype="float32")
+        content = sum(torch.Size(s).numel() * d.itemsize for s, d in zip(shapes, dtypes))
+        spec = MambaSpec(block_size=256, shapes=tuple(map(tuple, shapes)), dtypes=tuple(dtypes),
+                         mamba_type=mamba_type, page_size_padded=2 * content)  # fmt: skip
+        for layer in range(layers):
+            pages, bound = bound_views(shapes, dtypes, mamba_type)
+            plan = LayerPlan(f"model.layers.{layer}.mixer", 0, Kind.STATE, 256, tuple(contract.of_layer(layer)),
+                             spec=spec)  # fmt: skip
+            assert state_mover(plan, pages, bound).layout.geometry.orientation is learn_orientation(
+                mamba_type.name, dtypes[-1])  # fmt: skip
+    assert runs == {"gdn": 1, "mamba2": 1}  # one probe per (kind, dtype): every other layer shares its answer
+
+
 def test_a_contract_that_does_not_hold_vllms_state_is_refused_naming_it():
     from handoff_client.vllm._layouts import UnsupportedLayout
 

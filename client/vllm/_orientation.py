@@ -1,6 +1,6 @@
 """How vLLM's recurrent-state pages hold each head's S_h (`_state_pages.Orientation`), learned from the installed vLLM.
 
-    learn_orientation(mamba_type, state_dtype) -> Orientation
+    learn_orientation(mamba_type, state_dtype) -> Orientation          # cached: once per (kind, dtype) a process
 
 Where the orientation comes from:
 
@@ -18,11 +18,14 @@ Where the orientation comes from:
 
 Every probe starts from a zero state with no decay, so one token writes a known outer product per head (gated delta:
 S_h = k v^T, Mamba2: S_h = dt · x B^T), with sizes that differ on every axis, so a wrong orientation cannot pass.
+The result depends only on the layer's kind and state dtype (the probe uses its own sizes), so it is computed once
+per distinct (kind, dtype) and every layer of that kind shares it: start-up runs each probe once, not once a layer.
 Anything the probe cannot read as one of the orientations the connector converts is refused with UnsupportedLayout.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -140,9 +143,11 @@ def _mamba2_kernel_orientation(state_dtype: torch.dtype) -> Orientation:
     return Orientation.AS_IS
 
 
+@functools.cache
 def learn_orientation(mamba_type: str, state_dtype: torch.dtype = torch.bfloat16) -> Orientation:
     """How vLLM's pages of `mamba_type` with a `state_dtype` recurrent state hold each head's S_h (module
-    docstring): probed through vLLM's own kernels on its CPU build, otherwise vLLM's calculator says."""
+    docstring): probed through vLLM's own kernels on its CPU build, otherwise vLLM's calculator says. Cached per
+    (kind, dtype): every layer of a kind shares the answer."""
     from vllm.platforms import current_platform
 
     transposed = learn_transposed(mamba_type)
