@@ -129,6 +129,37 @@ def test_a_falcon_h1_layer_is_two_vllm_layers_each_taking_its_own_tensors():
         group_map(no_mixer, contract)
 
 
+def test_a_falcon_h1_engine_of_another_size_than_the_contract_is_refused_naming_both_counts():
+    """vLLM numbers Falcon-H1's mixers by its own decoder layers L (`model.{L + i}.mixer`), so L is read off the
+    engine's names and checked against the contract: an engine of 2 layers against a contract of 3 (and of 3
+    against 2) is refused naming both counts. (Before, L was the contract's layer count: the 2-layer engine's
+    `model.2.mixer` was refused as naming no layer index, and the 3-layer engine's `model.3.mixer` read as layer 1.)"""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as Shapes
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mamba = MambaSpec(block_size=64, shapes=Shapes.mamba2_state_shape(1, 64, 1, 4, 16, 8, 4),
+                      dtypes=(torch.bfloat16, torch.bfloat16), mamba_type=MambaAttentionBackendEnum.MAMBA2)  # fmt: skip
+
+    def engine(layers: int):  # vLLM's KV-cache groups for a Falcon-H1 of `layers` decoder layers
+        return kv_cache_config([([f"model.{layers + i}.mixer" for i in range(layers)], mamba),
+                                ([f"model.layers.{i}.self_attn.attn" for i in range(layers)], attention_spec())])  # fmt: skip
+
+    for engine_layers, contract_layers in ((2, 3), (3, 2)):
+        contract = contract_from_config({**FALCON_H1, "num_hidden_layers": contract_layers}, ctx=64,
+                                        state_dtype="bfloat16")  # fmt: skip
+        want = (
+            rf"engine has {engine_layers} decoder layers \(its Mamba2 mixers are model\.{engine_layers}\.mixer "
+            rf"\.\.\. model\.{2 * engine_layers - 1}\.mixer\), the contract carries {contract_layers} layers"
+        )
+        with pytest.raises(UnsupportedGroups, match=want):
+            group_map(engine(engine_layers), contract)
+    misnamed = kv_cache_config([([f"model.{3 + i}.mixer" for i in range(2)], mamba),
+                                ([f"model.layers.{i}.self_attn.attn" for i in range(2)], attention_spec())])  # fmt: skip
+    with pytest.raises(UnsupportedGroups, match=r"model\.3\.mixer \.\.\. model\.4\.mixer are not model\.L\.mixer"):
+        group_map(misnamed, contract_from_config(FALCON_H1, ctx=64, state_dtype="bfloat16"))
+
+
 def test_a_window_ring_must_be_what_vllm_keeps():
     contract = contract_from_config(GEMMA3, ctx=64)
     groups = group_map(kv_cache_config([(["model.layers.0.self_attn.attn"], attention_spec(WINDOW)),

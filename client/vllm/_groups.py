@@ -228,10 +228,10 @@ def group_map(kv_cache_config: Any, contract: Contract, windows: Mapping[str, in
     plans: dict[str, LayerPlan] = {}
     claimed: dict[tuple[int, bool], str] = {}  # (layer index, its state side) -> the vLLM layer
     groups = kv_cache_config.kv_cache_groups
-    decoder_layers = 1 + max(by_layer, default=-1)
+    mixer_offset = _falcon_h1_layers(contract, [name for group in groups for name in group.layer_names], by_layer)
     for g, group in enumerate(groups):
         for name, spec in _layer_specs(group).items():
-            layer = _layer_index(name, decoder_layers)
+            layer = _layer_index(name, mixer_offset)
             if layer is None:
                 raise UnsupportedGroups(f"{contract.model}: vLLM layer `{name}` names no layer index")
             state = _is_state_spec(spec)
@@ -255,13 +255,34 @@ def group_map(kv_cache_config: Any, contract: Contract, windows: Mapping[str, in
     return GroupMap(plans, len(groups))
 
 
-def _layer_index(name: str, decoder_layers: int) -> int | None:
+def _falcon_h1_layers(contract: Contract, names: Sequence[str], by_layer: Mapping[int, list[Carried]]) -> int | None:
+    """L, the decoder layers of an engine whose Mamba2 mixers vLLM names `model.{L + i}.mixer` (Falcon-H1: one a
+    decoder layer, so they are model.L.mixer ... model.{2L - 1}.mixer), read off the engine's own names, not the
+    contract's: the names are vLLM's, numbered by its model's config. None without such names. An engine whose L is
+    not the contract's layer count is refused naming both counts (before, L was taken from the contract, so against
+    a contract of another size a mixer's name was refused as naming no layer index, or read as another layer's)."""
+    mixers = sorted(int(m.group(1)) for name in names if (m := FALCON_H1_MIXER.match(name)))
+    if not mixers:
+        return None
+    layers = len(mixers)
+    if mixers != list(range(layers, 2 * layers)):
+        raise UnsupportedGroups(f"{contract.model}: vLLM's Mamba2 mixers model.{mixers[0]}.mixer ... "
+                                f"model.{mixers[-1]}.mixer are not model.L.mixer ... model.{{2L - 1}}.mixer for its "
+                                f"{layers} decoder layers (Falcon-H1's naming)")  # fmt: skip
+    if layers != (carried := 1 + max(by_layer, default=-1)):
+        raise UnsupportedGroups(f"{contract.model}: vLLM's engine has {layers} decoder layers (its Mamba2 mixers are "
+                                f"model.{layers}.mixer ... model.{2 * layers - 1}.mixer), the contract carries "
+                                f"{carried} layers: they are not the same model")  # fmt: skip
+    return layers
+
+
+def _layer_index(name: str, mixer_offset: int | None) -> int | None:
     """The decoder layer a vLLM layer name belongs to (`...layers.{i}....`, or Falcon-H1's mixer `model.{L + i}.mixer`
-    when L + i is past the decoder layers); None when the name says none."""
+    with L = `mixer_offset`, the engine's decoder layers); None when the name says none."""
     if index := LAYER_INDEX.search(name + "."):
         return int(index.group(1))
-    if (mixer := FALCON_H1_MIXER.match(name)) and int(mixer.group(1)) >= decoder_layers:
-        return int(mixer.group(1)) - decoder_layers
+    if mixer_offset is not None and (mixer := FALCON_H1_MIXER.match(name)):
+        return int(mixer.group(1)) - mixer_offset
     return None
 
 
