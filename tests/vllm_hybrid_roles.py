@@ -18,28 +18,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import vllm_roles
 
 
-def start(role: str, model_dir: str, settings: dict):
-    from vllm import LLM
-
-    kv_transfer = None
-    if role != "plain":
-        kv_transfer = {
-            "kv_connector": "HandoffConnector",
-            "kv_connector_module_path": "handoff_client.vllm",
-            "kv_role": vllm_roles.ROLES[role],
-            "kv_connector_extra_config": dict(settings["extra"]),
-            "kv_load_failure_policy": "recompute",
-        }
-    return LLM(
-        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="uni",
-        block_size=settings.get("block_size"), max_model_len=settings.get("max_model_len", 1024),
-        max_num_batched_tokens=settings.get("max_num_batched_tokens"), max_num_seqs=settings.get("max_num_seqs", 1),
-        dtype=settings.get("dtype", "bfloat16"), kv_cache_memory_bytes=settings["kv_cache_bytes"],
-        kv_transfer_config=kv_transfer, enable_prefix_caching=False,
-        disable_hybrid_kv_cache_manager=settings.get("disable_hybrid_kv_cache_manager"),
-    )  # fmt: skip
+def engine_arguments(settings: dict) -> dict:
+    """The hybrid instances' LLM arguments beside vllm_roles.start's (module docstring)."""
+    return {
+        "block_size": settings.get("block_size"), "max_model_len": settings.get("max_model_len", 1024),
+        "max_num_batched_tokens": settings.get("max_num_batched_tokens"),
+        "max_num_seqs": settings.get("max_num_seqs", 1), "dtype": settings.get("dtype", "bfloat16"),
+        "enable_prefix_caching": False,
+        "disable_hybrid_kv_cache_manager": settings.get("disable_hybrid_kv_cache_manager"),
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
-    vllm_roles.start = start
-    vllm_roles.main(*sys.argv[1:4])
+    vllm_roles.main(*sys.argv[1:4], engine=engine_arguments)

@@ -3,19 +3,18 @@ the same roles, settings and session commands, with vLLM's CPU MLA backend (CPU_
 no prefix caching, forced by vLLM itself), `max_num_seqs` 4 unless given, `dtype` float32 unless given, and `tp` (1:
 the uni executor; more: vLLM's `mp` executor, one worker process a rank).
 
-Besides generate, release and exit, the session takes {"op": "latents"}: it answers with the latent rows vLLM's own MLA decode read, on
-every TP rank, since the previous such command, saved under the folder in HANDOFF_TEST_MLA_READS (one torch.save
-file each: {"RANK|LAYER|SEQ_LEN": file}), and forgets them. They are recorded where CPU_MLA's decode reads them:
-`CPUMLAImpl.forward_mqa` is wrapped, in every process this module is imported into (this one, and each TP worker vLLM
-spawns, which imports it as its main module), to copy, for each decode request of the batch, the rows
+Besides vllm_roles.py's session commands, the session takes {"op": "latents"}: it answers with the latent rows vLLM's
+own MLA decode read, on every TP rank, since the previous such command, saved under the folder in HANDOFF_TEST_MLA_READS
+(one torch.save file each: {"RANK|LAYER|SEQ_LEN": file}), and forgets them. They are recorded where CPU_MLA's decode
+reads them: `CPUMLAImpl.forward_mqa` is wrapped, in every process this module is imported into (this one, and each TP
+worker vLLM spawns, which imports it as its main module), to copy, for each decode request of the batch, the rows
 `kv_c_and_k_pe_cache[block_table[b, t // N], t % N]` for t < seq_lens[b], by the block table and sequence lengths vLLM
-hands its decode kernel, before the kernel runs: a (seq_len, kv_lora_rank + qk_rope_head_dim) tensor, the first read
-of each layer at each length since the last collection.
+hands its decode kernel, before the kernel runs: a (seq_len, kv_lora_rank + qk_rope_head_dim) tensor, the first read of
+each layer at each length since the last collection.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -56,47 +55,20 @@ if READS:  # at import: in this process and in every TP worker process vLLM spaw
     record_decode_reads(READS)
 
 
-def start(role: str, model_dir: str, settings: dict):
-    from vllm import LLM
-
-    kv_transfer = None
-    if role != "plain":
-        kv_transfer = {
-            "kv_connector": "HandoffConnector",
-            "kv_connector_module_path": "handoff_client.vllm",
-            "kv_role": vllm_roles.ROLES[role],
-            "kv_connector_extra_config": dict(settings["extra"]),
-            "kv_load_failure_policy": "recompute",
-        }
-    tp = settings.get("tp", 1)
-    return LLM(
-        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, tensor_parallel_size=tp,
-        distributed_executor_backend="uni" if tp == 1 else "mp",
-        num_gpu_blocks_override=64, max_model_len=settings.get("max_model_len", 512),
-        max_num_seqs=settings.get("max_num_seqs", 4), dtype=settings.get("dtype", "float32"),
-        kv_cache_memory_bytes=settings["kv_cache_bytes"], kv_transfer_config=kv_transfer,
-    )  # fmt: skip
+def engine_arguments(settings: dict) -> dict:
+    """The MLA instances' LLM arguments beside vllm_roles.start's (module docstring)."""
+    return {
+        "num_gpu_blocks_override": 64, "max_model_len": settings.get("max_model_len", 512),
+        "max_num_seqs": settings.get("max_num_seqs", 4), "dtype": settings.get("dtype", "float32"),
+    }  # fmt: skip
 
 
-def session(llm, start_seconds: float) -> None:
-    print(json.dumps({"ready": True, "start_seconds": start_seconds}), flush=True)
-    for line in sys.stdin:
-        command = json.loads(line)
-        if command["op"] == "generate":
-            transfers = command.get("params") or [None] * len(command["prompts"])
-            answer = vllm_roles.generate(llm, command["prompts"], transfers, command["max_tokens"])
-        elif command["op"] == "release":
-            answer = {"blocks_held": vllm_roles.blocks_held_after_release(llm)}
-        elif command["op"] == "latents":  # (the step that read them has ended: every file is complete)
-            saved = Path(READS).glob("*.pt")
-            answer = {path.stem: str(path.rename(path.with_suffix(".read"))) for path in saved}
-        else:
-            break
-        print(json.dumps(answer), flush=True)
-    os._exit(0)
+def latents(command: dict) -> dict:
+    """The session's latents command: the files saved since the last one, by "RANK|LAYER|SEQ_LEN", forgotten here
+    (the step that read them has ended: every file is complete)."""
+    saved = Path(READS).glob("*.pt")
+    return {path.stem: str(path.rename(path.with_suffix(".read"))) for path in saved}
 
 
 if __name__ == "__main__":
-    vllm_roles.start = start
-    vllm_roles.session = session
-    vllm_roles.main(*sys.argv[1:4])
+    vllm_roles.main(*sys.argv[1:4], engine=engine_arguments, more={"latents": latents})

@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -30,7 +31,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROLES = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}
 
 
-def start(role: str, model_dir: str, settings: dict):
+def start(role: str, model_dir: str, settings: dict, engine: dict):
+    """The role's offline LLM: eager, the settings' `tp` (the uni executor at 1, vLLM's `mp` one above), their
+    kv_cache_bytes, and the connector with their `extra` (none for plain). `engine`: the LLM's other arguments (this
+    script's: `engine_arguments`; a script that wraps this one has its own: vllm_hybrid_roles.py, vllm_mla_roles.py)."""
     from vllm import LLM
 
     kv_transfer = None
@@ -46,13 +50,22 @@ def start(role: str, model_dir: str, settings: dict):
             "kv_load_failure_policy": "recompute",
         }
     tp = settings.get("tp", 1)
-    scheduling = {"max_num_seqs": settings["max_num_seqs"]} if "max_num_seqs" in settings else {}
     return LLM(
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True,
         distributed_executor_backend="uni" if tp == 1 else "mp", tensor_parallel_size=tp,
-        num_gpu_blocks_override=64, block_size=settings["block_size"], max_model_len=settings.get("max_model_len", 1024),
-        dtype=settings.get("dtype", "bfloat16"), kv_cache_memory_bytes=settings["kv_cache_bytes"],
-        kv_transfer_config=kv_transfer, enable_prefix_caching=settings.get("prefix_caching", False), **scheduling,
+        kv_cache_memory_bytes=settings["kv_cache_bytes"], kv_transfer_config=kv_transfer,
+        **engine,
+    )  # fmt: skip
+
+
+def engine_arguments(settings: dict) -> dict:
+    """This script's LLM arguments beside `start`'s: 64 blocks, the settings' block_size, max_model_len (1024), dtype
+    (bfloat16), prefix_caching (false) and max_num_seqs (vLLM's default)."""
+    scheduling = {"max_num_seqs": settings["max_num_seqs"]} if "max_num_seqs" in settings else {}
+    return dict(
+        num_gpu_blocks_override=64, block_size=settings["block_size"],
+        max_model_len=settings.get("max_model_len", 1024), dtype=settings.get("dtype", "bfloat16"),
+        enable_prefix_caching=settings.get("prefix_caching", False), **scheduling,
     )  # fmt: skip
 
 
@@ -102,13 +115,16 @@ def generate(llm, prompts: list[list[int]], transfers: list[dict | None], max_to
     }
 
 
-def main(role: str, model_dir: str, settings_file: str) -> None:
+def main(role: str, model_dir: str, settings_file: str, engine: Callable[[dict], dict] = engine_arguments,
+         more: Mapping[str, Callable[[dict], dict]] | None = None) -> None:  # fmt: skip
+    """The instance run, one shot or as a session (module docstring). A script that wraps this one passes `engine`,
+    its LLM arguments for the settings (`start`), and `more`, the session commands it adds (`session`)."""
     settings = json.loads(Path(settings_file).read_text())
     started = time.perf_counter()
-    llm = start(role, model_dir, settings)
+    llm = start(role, model_dir, settings, engine(settings))
     start_seconds = time.perf_counter() - started
     if settings.get("session"):
-        return session(llm, start_seconds)
+        return session(llm, start_seconds, more)
     prompts = settings["prompts"]
     transfers = settings.get("kv_transfer_params")
     if transfers is None:
@@ -126,11 +142,15 @@ def main(role: str, model_dir: str, settings_file: str) -> None:
     os._exit(0)  # skip vLLM's slow teardown
 
 
-def session(llm, start_seconds: float) -> None:
+def session(llm, start_seconds: float, more: Mapping[str, Callable[[dict], dict]] | None = None) -> None:
+    """The session's loop (module docstring); `more`: the commands a script that wraps this one adds, by op, each
+    answering a command with its JSON answer (vllm_mla_roles.py's latents)."""
     print(json.dumps({"ready": True, "start_seconds": start_seconds}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
-        if command["op"] == "generate":
+        if command["op"] in (more or {}):
+            answer = more[command["op"]](command)
+        elif command["op"] == "generate":
             transfers = command.get("params") or [None] * len(command["prompts"])
             answer = generate(llm, command["prompts"], transfers, command["max_tokens"])
         elif command["op"] == "release":
