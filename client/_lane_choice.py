@@ -4,8 +4,11 @@ the TCP lane, and only for a hand-off of at least the lane's `min_bytes` (docs/l
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from functools import cache
+
+import grpc
 
 from .protocol.lane import Frames, StripedFrames, TcpFrames, connection_capabilities, lane_host, open_lanes
 from .protocol.messages import handoff_pb2 as pb
@@ -18,6 +21,53 @@ logger = logging.getLogger(__name__)
 @cache
 def _this_host() -> str:
     return host_id()
+
+
+LANE_RETRY_AFTER = 60.0
+"""Seconds a client leaves a TCP lane it could not connect to before it tries it again: each try costs a call its
+attempt and a retry, and a broker that restarts on the same address is back within that."""
+
+
+class LaneOffers:
+    """The lanes one broker offers one client, asked once (`ask`: its GetLanes call), and which this client can
+    reach: which a hand-off of a size takes, and which to leave alone after it could not be reached."""
+
+    def __init__(self, ask: Callable[[], pb.LanesResponse], *, lanes: bool, shared_memory: bool) -> None:
+        self.ask = ask
+        self.lanes = lanes  # False: every hand-off on the streams
+        self.offers: list[pb.Lane] = []
+        self.asked = False
+        self.shared_memory = shared_memory  # (and until the shared-memory lane turns out unreachable from here)
+        self.tcp_unreachable_until = 0.0  # (time.monotonic(): until then the TCP lane is not tried)
+
+    def lane(self, nbytes: int | None = None) -> pb.Lane | None:
+        """The lane a hand-off of `nbytes` takes (None: whichever a large one would), or None for the streams: the
+        shared-memory lane when this client shares the broker's host, else the TCP lane, if this client takes lanes
+        and the hand-off is at least the lane's `min_bytes` (the offers are asked once; a broker that does not know
+        GetLanes offers none)."""
+        if not self.lanes:
+            return None
+        if not self.asked:
+            try:
+                response = self.ask()
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    return None  # not known now: this call goes on the stream, and the next one asks again
+                response = pb.LanesResponse()
+            self.offers = list(response.lanes)
+            self.asked = True
+        tcp = time.monotonic() >= self.tcp_unreachable_until
+        return choose(self.offers, nbytes, shared_memory=self.shared_memory, tcp=tcp)
+
+    def unreachable(self, lane: pb.Lane) -> None:
+        """A lane this client could not connect to: a shared-memory lane it shares the host but not the filesystem
+        or the user with (another container, say) is not tried again, the next calls taking the TCP lane; a TCP lane
+        (a firewall, a NAT the broker's advertised address does not cross) not for LANE_RETRY_AFTER seconds, the
+        calls meanwhile on the streams."""
+        if lane.kind == pb.LANE_KIND_SHM:
+            self.shared_memory = False
+        else:
+            self.tcp_unreachable_until = time.monotonic() + LANE_RETRY_AFTER
 
 
 def choose(

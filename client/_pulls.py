@@ -260,7 +260,7 @@ class PulledTensors:
         except (OSError, ValueError) as e:  # (LaneClosed, LaneUnreachable and socket timeouts are OSErrors)
             broken = LaneBroken(model, f"the pull on {describe(lane, self._client.target)}: {e}")
             if isinstance(e, LaneUnreachable):  # never reached: the broker, waiting for it, has nothing to say yet
-                self._client._lane_unreachable(lane)
+                self._client.lane_offers.unreachable(lane)
                 raise broken from None  # (and the call is cancelled, so the claim goes back at once)
             self._stream_status()  # the broker may have ended the call (the push failed, a cancel): that says why
             raise broken from None

@@ -159,7 +159,7 @@ class PushAttempts:
             if gone is not None:  # the broker itself is gone (killed, restarting): not a lane that broke
                 raise from_rpc_error(gone) from None
             call.cancel()
-            client._lane_unreachable(lane)
+            client.lane_offers.unreachable(lane)
             raise LaneBroken(self.contract.model, f"{describe(lane, client.target)}: {e}") from None
         except (LaneClosed, OSError):
             frames = None  # the broker closed it: the call says why

@@ -34,7 +34,8 @@ def test_tensors_given_as_a_list_are_refused_saying_what_to_pass(client, contrac
     contract = contracts["demo-hybrid"]
     with pytest.raises(MalformedRequest) as refused:
         client.push(contract.model, "r", 1, list(seeded_tensors(contract).values()))
-    assert "tensors is a list: pass a mapping of tensor name to array, {name: array, ...}" in refused.value.message
+    assert "tensors is a list of ndarray: pass a mapping of tensor name to array, {name: array, ...}, or (name, array)" \
+        in refused.value.message  # fmt: skip
     with pytest.raises(MalformedRequest, match="into is a tuple: pass a mapping"):
         client.pull(contract.model, "r", into=tuple(seeded_tensors(contract).values()), timeout=1)
 

@@ -172,7 +172,7 @@ def test_under_tls_the_tcp_lane_is_sealed_and_no_byte_of_the_hand_off_crosses_it
             assert lane.salted_keys == bool(options)  # each sealed connection keyed anew by the broker's salt
             tap = Proxy(lane.port, record=True)
             try:
-                client._lane_offers = [pb.Lane(kind=lane.kind, host="127.0.0.1", port=tap.port,
+                client.lane_offers.offers = [pb.Lane(kind=lane.kind, host="127.0.0.1", port=tap.port,
                                                min_bytes=lane.min_bytes, sealing=lane.sealing,
                                                salted_keys=lane.salted_keys)]  # fmt: skip
                 client.push("large", "r", 1, marked)

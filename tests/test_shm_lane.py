@@ -66,8 +66,8 @@ def wait_until(condition, timeout: float = 10.0) -> None:
 def test_a_client_on_the_brokers_host_takes_the_shared_memory_lane_both_ways_and_every_ring_is_unmapped(shm_broker):
     tensors = seeded_tensors(LARGE)
     with HandoffClient(shm_broker.address) as client:
-        assert {lane.kind for lane in client._lane_offers or [client.lane()]} >= {pb.LANE_KIND_SHM}
-        assert {lane.kind for lane in client._lane_offers} == {pb.LANE_KIND_TCP, pb.LANE_KIND_SHM}
+        assert {lane.kind for lane in client.lane_offers.offers or [client.lane()]} >= {pb.LANE_KIND_SHM}
+        assert {lane.kind for lane in client.lane_offers.offers} == {pb.LANE_KIND_TCP, pb.LANE_KIND_SHM}
         assert client.lane(LARGE.nbytes).kind == pb.LANE_KIND_SHM
         client.push("large", "r", 1, tensors)
         into = {c.name: np.full((ROWS, COLS), 7, np.float32) for c in LARGE.carried}
@@ -106,9 +106,9 @@ def test_a_client_told_not_to_or_on_another_host_takes_the_tcp_lane(shm_broker):
         client.push("large", "r", 1, tensors)
         assert_same_bits(client.pull("large", "r").state, tensors)
         elsewhere = [lane if lane.kind == pb.LANE_KIND_TCP else pb.Lane(kind=lane.kind, path=lane.path,
-                     host_id="another-hosts-boot-id", min_bytes=lane.min_bytes) for lane in client._lane_offers]  # fmt: skip
+                     host_id="another-hosts-boot-id", min_bytes=lane.min_bytes) for lane in client.lane_offers.offers]  # fmt: skip
         assert choose(elsewhere, LARGE.nbytes).kind == pb.LANE_KIND_TCP
-        assert choose(client._lane_offers, 1024) is None  # under the floor: the stream
+        assert choose(client.lane_offers.offers, 1024) is None  # under the floor: the stream
     assert (
         lane_bytes(shm_broker, "large", "push", "tcp") == lane_bytes(shm_broker, "large", "pull", "tcp") == LARGE.nbytes
     )
@@ -123,7 +123,7 @@ def test_a_broker_serving_tls_still_offers_the_shared_memory_lane_unsealed_and_t
     tensors = seeded_tensors(LARGE)
     with HandoffClient(broker.address, tls_root_certificates=ca.pem, tls_server_name="localhost") as client:
         assert client.lane().kind == pb.LANE_KIND_SHM
-        offers = {lane.kind: lane.sealing for lane in client._lane_offers}
+        offers = {lane.kind: lane.sealing for lane in client.lane_offers.offers}
         assert offers == {pb.LANE_KIND_TCP: pb.LANE_SEALING_AES_256_GCM, pb.LANE_KIND_SHM: pb.LANE_SEALING_NONE}
         client.push("large", "r", 1, tensors)
         assert_same_bits(client.pull("large", "r").state, tensors)

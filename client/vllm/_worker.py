@@ -7,9 +7,12 @@ sliding window's ring, a recurrent state page), learns the page layout of the at
 serving another contract is refused, naming both fingerprints).
 
 Producer: nothing runs on the forward pass. `wait_for_save`, at the end of the step that computed a prompt's last
-token, hands the request to a background sender, which pushes each layer's keys and values for the prompt's rows
-while it copies the next layer's out of the pages into the contract's layout (after the step's kernels, on a stream
-of its own on a GPU): the push takes the copy as an iterable of tensors still being made (handoff_client._produced).
+token, hands the request to a background sender, which copies each layer's keys and values for the prompt's rows out
+of the pages into the contract's layout (after the step's kernels, on a stream of its own on a GPU) and pushes them.
+GPU pages are pushed layer by layer, each as soon as it is copied, the push taking the copy as tensors still being
+made (handoff_client._produced): the broker, and a decoder already pulling, have the first layers while the last are
+copied. CPU pages are copied whole first: there the copy, the push and the decoder's pull share the same cores, and
+copying first committed the push 1.4-1.7x sooner with the decoder's pages no later (docs/performance.md).
 The scheduler half holds the request's pages (`request_finished` returns True) until the push has ended, committed
 or failed; then `get_finished` releases them (finished sending), and vLLM, which steps while it holds a finished
 request's pages, sees the push's stats at once. A preempted request's pages are freed by vLLM itself, so the next
@@ -211,9 +214,11 @@ class WorkerHalf:
         started = time.perf_counter()
         try:
             placed = {"broker": save.broker} if save.broker else {}  # (a fleet: where the ticket says it goes)
-            result = self.client.push(self.contract.model, save.handoff_id, save.rows,
-                                      self._copied_out(save, written, copied), ttl=self.settings.ttl or None,
-                                      shard=self._part(), **placed)  # fmt: skip
+            tensors = self._copied_out(save, written, copied)
+            if self._stream is None:  # CPU pages: the whole copy first (the module's docstring)
+                tensors = dict(tensors)
+            result = self.client.push(self.contract.model, save.handoff_id, save.rows, tensors,
+                                      ttl=self.settings.ttl or None, shard=self._part(), **placed)  # fmt: skip
         except HandoffError as e:
             logger.warning("hand-off %s was not pushed: %s %s", save.handoff_id, e.reason, e.message)
             return self._record_failure(pushing=True)
