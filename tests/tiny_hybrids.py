@@ -82,17 +82,20 @@ with torch.no_grad():
 out = {}
 for i, layer in enumerate(cache.layers):
     if getattr(layer, "recurrent_states", None) and layer.recurrent_states.get(0) is not None:
-        s = layer.recurrent_states[0][0].float()  # (v_heads, k_dim, v_dim): S_h per head
-        out[f"layers.{i}.linear_attn.memory"] = s.permute(1, 0, 2).reshape(s.shape[1], -1).numpy()
-        out[f"layers.{i}.linear_attn.conv"] = layer.conv_states[0][0].float().t().numpy()  # (kernel, conv_dim)
+        s = layer.recurrent_states[0][0].float()  # S_h per head: GDN (v_heads, k_dim, v_dim), Mamba2 (H, P, N)
+        out[f"layers.{i}.per_head"] = s.numpy()
+        out[f"layers.{i}.recurrent"] = s.permute(1, 0, 2).reshape(s.shape[1], -1).numpy()
+        out[f"layers.{i}.conv"] = layer.conv_states[0][0].float().t().numpy()  # (kernel, conv_dim)
 np.savez(sys.argv[3], **out)
 """
 
 
 def transformers_state(model_dir: Path, prompt: list[int], out: Path) -> dict:
-    """A gated-delta-net model's state after `prompt` as transformers computes it (bf16 weights, float32 state), in
-    the contract's layout: `layers.{i}.linear_attn.memory` (k_dim, V·v_dim), memory[a, h·v_dim + b] = S_h[a, b]; and
-    `layers.{i}.linear_attn.conv`, the conv state's last `kernel` inputs in time order (kernel, conv_dim)."""
+    """A hybrid's recurrent state after `prompt` as transformers computes it (bf16 weights, float32 state), per
+    recurrent layer i: `layers.{i}.per_head`, S_h per head as transformers keeps it (gated-delta-net (V, k_dim,
+    v_dim), Mamba2 (H, head_dim, state)); `layers.{i}.recurrent`, the same in the contract's layout, S_h per head on
+    its columns (GDN memory[a, h·v_dim + b], Mamba2 ssm[p, h·N + n] = S_h[...]); and `layers.{i}.conv`, the conv
+    state's last `kernel` inputs in time order (kernel, conv_dim), channels [Q | K | V] or [x | B | C]."""
     import numpy as np
 
     done = subprocess.run([sys.executable, "-c", REFERENCE, str(model_dir), ",".join(map(str, prompt)), str(out)],
