@@ -37,3 +37,15 @@ def test_the_connector_setting_names_the_contract(vllm_config):
     settings = ConnectorSettings.from_extra_config({"target": "127.0.0.1:1", "model": "tiny-llama"})
     contract = served_contract(vllm_config, settings)
     assert contract.model == "tiny-llama" and contract.ctx == 1024
+
+
+@pytest.mark.parametrize(("given", "chosen"), [(True, True), ("false", False), ("auto", None), (None, None)])
+def test_push_while_copying_is_true_false_or_auto(given, chosen):
+    extra = {"target": "127.0.0.1:1"} | ({} if given is None else {"push-while-copying": given})
+    assert ConnectorSettings.from_extra_config(extra).push_while_copying is chosen
+
+
+@pytest.mark.parametrize("given", ["yes", 1, 0.5, None])
+def test_push_while_copying_refuses_anything_else_naming_the_setting(given):
+    with pytest.raises(ValueError, match=r"push-while-copying is .*; it takes true, false or auto"):
+        ConnectorSettings.from_extra_config({"push-while-copying": given})

@@ -10,6 +10,8 @@ Keys are the command line's flag names where they overlap (`handoff-broker statu
     token-file   a file holding the bearer token
     timeout      seconds a push or a pull may take, end to end                 default 30
     ttl          seconds a pushed hand-off waits for its decoder (0: the broker's --ttl)
+    push-while-copying   true: push each layer as soon as it is copied out of the pages; false: copy the whole
+                 prompt first, then push; auto: true on GPU pages, false on CPU ones (docs/performance.md)  default auto
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ DEFAULT_TIMEOUT = 30.0
 CACHE_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 """vLLM's cache dtypes the connector carries, by the torch dtype "auto" resolves to."""
 
-KNOWN_KEYS = {"target", "model", "tls-ca", "tls-cert", "tls-key", "token-file", "timeout", "ttl"}
+KNOWN_KEYS = {"target", "model", "tls-ca", "tls-cert", "tls-key", "token-file", "timeout", "ttl", "push-while-copying"}
+SWITCH = {True: True, False: False, "true": True, "false": False, "auto": None}
+"""push-while-copying's values (JSON booleans or strings): None is auto."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class ConnectorSettings:
     token_file: str | None = None
     timeout: float = DEFAULT_TIMEOUT
     ttl: float = 0.0
+    push_while_copying: bool | None = None  # None: on GPU pages only
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -50,7 +55,13 @@ class ConnectorSettings:
                 f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
                 f"the handoff connector takes {', '.join(sorted(KNOWN_KEYS))}"
             )
+        switch = extra.get("push-while-copying", "auto")
+        if not isinstance(switch, (bool, str)) or switch not in SWITCH:
+            raise ValueError(
+                f"kv_connector_extra_config: push-while-copying is {switch!r}; it takes true, false or auto"
+            )
         return cls(
+            push_while_copying=SWITCH[switch],
             target=str(extra.get("target", DEFAULT_TARGET)),
             model=extra.get("model"),
             tls_ca=extra.get("tls-ca"),
