@@ -5,9 +5,16 @@ and a real broker: a tiny random-weight DeepSeek-V2 (2 dense layers, 4 heads, kv
 The oracle is the latent itself: after a hand-off, the rows vLLM's own MLA decode reads on the decode instance (by
 the block table and lengths it hands its kernel: tests/vllm_mla_roles.py) are bit-identical to the rows the prefill
 instance's decode reads for the same prompt, for every layer and every handed-off position. CPU_MLA's greedy tokens
-change with what a request is batched with, so tokens are compared with a plain engine's only one request at a
-time. The decode instance, the prefill instance and the plain engine are started once for the module, at once.
-Skipped, saying why, where vLLM is not installed.
+change with what a request is batched with, so tokens are compared with a plain run's only one request at a time;
+and vLLM's own TP 1 and TP 2 prefills compute different latents (from the second layer on), so only where both sides
+have one TP size: across TP sizes, no plain run computes what the decoder does.
+
+Three engines, started once for the module, at once: a TP 2 producer, a TP 2 consumer, and a TP 1 engine with the
+connector as kv_both. The connector pushes only a request asking `do_remote_decode`, loads only one carrying a
+hand-off, and leaves every other request untouched, so the TP 1 engine is, by each request's kv_transfer_params, the
+TP 1 plain run, the TP 1 producer and the TP 1 consumer, and the TP 2 consumer gives the TP 2 plain run (each plain
+run checked to load and push nothing, by the broker's counters). So every pair of TP sizes runs: 2 -> 2, 1 -> 1,
+1 -> 2 and 2 -> 1, with no engine more. Skipped, saying why, where vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ PROMPTS = [[(i * 7 + n) % 500 + 3 for i in range(n)] for n in (7, 40, 77)]  # un
 MAX_TOKENS = 6  # the decode lengths of the prompts stay apart: a recorded read's length names its prompt
 KV_CACHE_BYTES = 64 << 20
 TP = 2  # the producer's and the consumer's: rank 0 pushes the latent, rank 1 its empty part; both ranks pull it whole
+COUNTERS = ("handoff_pushes_total", "handoff_pulls_total", "handoff_received_bytes_total", "handoff_sent_bytes_total",
+            "handoff_rejections_total")  # fmt: skip
 ASK = {"do_remote_decode": True, "do_remote_prefill": False}
 
 BUILD = """
@@ -83,8 +92,8 @@ class MlaEngine(Engine):
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """The broker serving the tiny DeepSeek-V2's float32 contract, and a producer, a consumer and a plain engine,
-    started at once; yields (engines by role, broker)."""
+    """The broker serving the tiny DeepSeek-V2's float32 contract, and a TP 2 producer, a TP 2 consumer and a TP 1
+    kv_both engine ("single"), started at once; yields (engines by name, broker)."""
     tmp = tmp_path_factory.mktemp("vllm-mla")
     model_dir = tmp / "model"
     subprocess.run([sys.executable, "-c", BUILD, str(model_dir)], check=True, capture_output=True, timeout=300)
@@ -94,8 +103,8 @@ def fleet(tmp_path_factory):
     broker.start()
     engines = {}
     try:
-        for role, tp in (("producer", TP), ("consumer", TP), ("plain", 1)):
-            engines[role] = MlaEngine(role, model_dir, tmp, broker.address, tp)
+        for name, role, tp in (("producer", "producer", TP), ("consumer", "consumer", TP), ("single", "both", 1)):
+            engines[name] = MlaEngine(role, model_dir, tmp, broker.address, tp)
         for engine in engines.values():
             engine.ready()
         yield engines, broker
@@ -103,6 +112,38 @@ def fleet(tmp_path_factory):
         for engine in engines.values():
             engine.close()
         broker.stop(grace=0.2)
+
+
+def counters(broker) -> dict[tuple[str, tuple], float]:
+    """Every sample of the broker's counters of pushes, pulls, bytes and rejections, by name and labels."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in broker.registry.collect()
+        for sample in family.samples
+        if sample.name in COUNTERS
+    }
+
+
+@pytest.fixture(scope="module")
+def plain(fleet) -> dict[int, list[list[int]]]:
+    """Each prompt's tokens from a plain run, alone, without kv_transfer_params, at each TP size: {1: the TP 1
+    engine's, 2: the TP 2 consumer's}. Each run is checked to be plain though both engines have the connector:
+    nothing loaded, no hand-off params back, and not one of the broker's counters of pushes, pulls, bytes or
+    rejections moved."""
+    engines, broker = fleet
+    for name in ("producer", "single"):  # (every push under way ended: its pages are freed only then)
+        assert engines[name].ask("release")["blocks_held"] == 0
+    tokens = {}
+    for name in ("single", "consumer"):
+        tokens[engines[name].tp] = []
+        for prompt in PROMPTS:
+            before = counters(broker)
+            run = engines[name].generate([prompt])
+            assert run["cached"] == [0] and run["kv_transfer_params"] == [None], f"{name}, prompt of {len(prompt)}"
+            assert counters(broker) == before, f"{name}'s plain run of a prompt of {len(prompt)} moved the broker"
+            tokens[engines[name].tp].append(run["tokens"][0])
+        assert len({tuple(t) for t in tokens[engines[name].tp]}) == len(PROMPTS)  # the oracle tells them apart
+    return tokens
 
 
 def received(broker, expected: float | None = None, timeout: float = 60) -> float:
@@ -125,6 +166,7 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def hand_off(producer: Engine, prompt: list[int]) -> tuple[dict, dict]:
     """Prefill `prompt` on the producer, alone, and decode one token more there, so that vLLM's MLA decode reads
     the prompt's rows from its pages: (the hand-off's kv_transfer_params, the rows it read by layer)."""
+    producer.reads()  # (forgets the reads of its earlier requests: only this one's first reads are recorded)
     params = producer.generate([prompt], [dict(ASK)], max_tokens=2)["kv_transfer_params"][0]
     reads = producer.reads()
     n = len(prompt)
@@ -133,6 +175,13 @@ def hand_off(producer: Engine, prompt: list[int]) -> tuple[dict, dict]:
     return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}, {
         layer: rows for (rank, layer, length), rows in reads.items() if rank == 0 and length == n + 1
     }
+
+
+def decode(decoder: Engine, prompts: list[list[int]], params: list[dict]) -> tuple[dict, dict]:
+    """The prompts decoded at once from their hand-offs: (the decoder's answer, the latent rows it read)."""
+    decoder.reads()  # (forgets the reads of its earlier requests)
+    decoded = decoder.generate(prompts, params)
+    return decoded, decoder.reads()
 
 
 def check_loaded(decoder: Engine, reads: dict, prompt: list[int], produced: dict) -> None:
@@ -157,8 +206,7 @@ def test_the_decoders_latent_rows_are_the_prefill_instances_bit_for_bit(fleet):
     assert [params["position"] for params, _ in handed] == [len(p) for p in PROMPTS]
     expected = sum(len(p) * ROW_BYTES for p in PROMPTS)
     assert received(broker, before + expected) - before == expected
-    decoded = engines["consumer"].generate(PROMPTS, [params for params, _ in handed])
-    reads = engines["consumer"].reads()
+    decoded, reads = decode(engines["consumer"], PROMPTS, [params for params, _ in handed])
     for prompt, (_, produced) in zip(PROMPTS, handed, strict=True):
         check_loaded(engines["consumer"], reads, prompt, produced)
     assert decoded["cached"] == [len(p) for p in PROMPTS]  # loaded, whole: the decoder recomputed the last token
@@ -167,17 +215,31 @@ def test_the_decoders_latent_rows_are_the_prefill_instances_bit_for_bit(fleet):
     assert engines["producer"].ask("release")["blocks_held"] == 0
 
 
-def test_one_request_at_a_time_the_decoder_gives_the_plain_engines_tokens(fleet):
-    """CPU_MLA's greedy tokens depend on the batch, so one request at a time: the hand-off's tokens are a plain
-    engine's for each prompt, and the latent the decoder read is still the producer's."""
-    engines, _ = fleet
-    tokens = []
-    for prompt in PROMPTS:
-        params, produced = hand_off(engines["producer"], prompt)
-        decoded = engines["consumer"].generate([prompt], [params])
-        plain = engines["plain"].generate([prompt])
-        assert decoded["tokens"] == plain["tokens"], f"prompt of {len(prompt)}"
-        assert decoded["cached"] == [len(prompt)] and plain["cached"] == [0]
-        check_loaded(engines["consumer"], engines["consumer"].reads(), prompt, produced)
-        tokens.append(plain["tokens"][0])
-    assert len({tuple(t) for t in tokens}) == len(PROMPTS)  # the oracle tells the prompts apart
+@pytest.mark.parametrize(
+    ("producer", "consumer"),
+    [("producer", "consumer"), ("single", "single"), ("single", "consumer"), ("producer", "single")],
+    ids=["tp2-to-tp2", "tp1-to-tp1", "tp1-to-tp2", "tp2-to-tp1"],
+)
+def test_one_request_at_a_time_each_pair_of_tp_sizes(fleet, plain, producer, consumer):
+    """One request at a time (CPU_MLA's greedy tokens depend on the batch), for each pair of TP sizes: the broker
+    took in the prompt's filled rows once (a TP 2 producer's rank 0 alone pushes the latent; the decoder pushes
+    nothing), every decode rank's first read of the prompt has the producer's latent rows bit for bit, and the
+    producer holds no pages afterwards. Where both sides have one TP size, the hand-off's tokens are that size's
+    plain run's. Across TP sizes the latent is the oracle, not tokens: vLLM's own CPU_MLA prefills at TP 1 and TP 2
+    compute a latent that differs from the second layer on (docs/vllm.md, "MLA models"), so no plain run computes
+    what a decoder reading the other size's latent does."""
+    engines, broker = fleet
+    same_tp = engines[producer].tp == engines[consumer].tp
+    for prompt, tokens in zip(PROMPTS, plain[engines[consumer].tp], strict=True):
+        n = len(prompt)
+        before = received(broker)
+        params, produced = hand_off(engines[producer], prompt)
+        assert params["position"] == n
+        assert received(broker, before + n * ROW_BYTES) - before == n * ROW_BYTES
+        decoded, reads = decode(engines[consumer], [prompt], [params])
+        check_loaded(engines[consumer], reads, prompt, produced)
+        assert decoded["cached"] == [n]  # loaded, whole: the decoder recomputed the last token
+        if same_tp:
+            assert decoded["tokens"] == [tokens], f"prompt of {n}"
+        assert received(broker) - before == n * ROW_BYTES, f"prompt of {n}: pushed more than once"
+    assert engines[producer].ask("release")["blocks_held"] == 0
