@@ -219,10 +219,10 @@ class HandoffClient:
         that breaks is resumed like a whole one, rank by rank.
 
         `tensors` may also be an iterable of (name, array) pairs still being made, a generator copying them out of
-        an engine's pages, say: the push sends each as soon as it is made, before the next is made
+        an engine's pages, say: it runs on a thread of its own, and the push sends each tensor as soon as it is made
         (handoff_client._produced). Each array is checked as it is sent; an array that fails, or the iterable
-        raising, ends the push (the broker keeps nothing) with that error. When `push` returns or raises, the
-        iterable is closed and nothing reads its arrays any more.
+        raising, ends the push with that error and the broker keeps nothing (a resumable push is cancelled: push
+        again under a new id). When `push` returns or raises, the iterable has stopped.
         """
         position = checked_position(model, position)
         arrays = None if is_produced(tensors) else as_arrays(model, tensors)
@@ -233,6 +233,7 @@ class HandoffClient:
             handoff = contract.take(position, cut_to_filled(contract, arrays))
             return self._push_attempts(contract, handoff_id, handoff, part, timeout, **options)
         with producing(model, tensors) as made:
+            made.check_first()  # (an iterable of the wrong things is refused before the broker is asked)
             handoff = Handoff(position, CheckedState(made, contract))
             return self._push_attempts(contract, handoff_id, handoff, part, timeout, **options)
 

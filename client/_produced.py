@@ -1,25 +1,31 @@
 """A push whose tensors are still being made: the caller passes an iterable of (name, array) pairs instead of a
-mapping, and the push sends each tensor as soon as it is made, before the next is made (a vLLM producer copying a
-prompt out of its pages layer by layer pushes while it copies, rather than copying the whole prompt first: the
-broker has, and streams to a decoder already pulling, the first layers while the last are being copied).
+mapping, and the push sends each tensor as soon as it is made while the next is being made (a vLLM producer copying
+a prompt out of GPU pages layer by layer pushes while it copies: the broker, and a decoder already pulling, have
+the first layers while the last are copied, and the pages are free as soon as the copy ends, whenever the push
+does).
 
-- The iterable is advanced by the push as it needs the next tensor, in the thread that sends (for a push on the
-  gRPC stream, gRPC's own): no thread of its own. Made on a thread ahead of the sending, it was slower on CPU
-  (0.6x, benchmarks/connector.py's figures in docs/performance.md): the copy and the sending contend for the cores.
-  Tensors may come in any order; in the contract's order none waits in memory for its turn.
+- The iterable runs on a thread of its own, started with the push, ahead of the sending: it is not held back by the
+  broker (a push waiting for room, a slow link). Its first pair is awaited before any call, so an iterable of the
+  wrong things is refused (MalformedRequest) before the broker is asked for anything. Tensors may come in any
+  order; in the contract's order each is sent as soon as it is made. Where making and sending share the same CPU
+  cores this is slower than making them all first (docs/performance.md): the vLLM connector makes CPU pages' copy
+  whole first.
 - Every array made is kept until the push ends, so a retry (another broker of a fleet, a broken connection) sends
   the same bytes without running the iterable again.
 - Each array meets the contract's rules as it is sent (`check_array`), as a mapping's would before the push; a name
   the contract does not carry is ignored, as a mapping's extra entries are; an iterable that ends without a carried
   tensor is MissingTensor. An array that fails, or the iterable raising, ends the push before that tensor is sent,
   so the broker keeps nothing of it; the push raises that error.
-- `close()` waits for a step in progress and closes the iterable (a generator's `finally` runs): once the push has
-  returned, nothing reads the caller's memory any more (vLLM may reuse the pages).
+- `close()` stops the iterable after the step in progress and waits for it (a generator's `finally` runs on its
+  thread): once the push has returned, the iterable is not advanced any more. The arrays it yielded are the push's
+  to send until then (gRPC's own thread may still be encoding one as a failed call ends): they must be the
+  caller's to give away, not memory it reuses (the connector's are copies out of the pages).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -31,41 +37,49 @@ from .protocol.contract import Contract, check_array, cut_to_filled
 from .protocol.errors import MalformedRequest, MissingTensor
 
 
+class Making(enum.Enum):
+    """Where the iterable is: still making, exhausted, failed (its error is kept), or stopped by `close`."""
+
+    MAKING = "making"
+    DONE = "done"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
 class ProducedTensors:
-    """The arrays an iterable of (name, array) pairs yields, made as they are asked for and kept by name."""
+    """The arrays an iterable of (name, array) pairs yields, made on a thread of its own and kept by name."""
 
     def __init__(self, model: str, produced: Iterable[tuple[str, Any]]) -> None:
         self.model = model
         self._produced = produced
-        self._iterator: Iterator[tuple[str, Any]] | None = None  # (started by the first `get`)
         self._arrays: dict[str, np.ndarray] = {}
-        self._lock = threading.Lock()  # one step at a time, whichever thread asks (a retry's may be another)
-        self._ended = False  # the iterable is exhausted, failed or closed: no more arrays come
-        self._error: Exception | None = None  # what the iterable (or a pair it yielded) raised
+        self._changed = threading.Condition()  # notified at each array made, and when the making ends
+        self._state = Making.MAKING
+        self._error: Exception | None = None  # what the iterable (or a pair it yielded) raised: Making.FAILED
+        self._thread = threading.Thread(target=self._make, name="handoff-produce", daemon=True)
+        self._thread.start()
 
-    def get(self, name: str) -> np.ndarray:
-        """`name`'s array, making the iterable's next ones until it is made; the iterable's error, or MissingTensor
-        if it ended without it."""
-        with self._lock:
-            while name not in self._arrays and not self._ended:
-                self._step()
-            if name in self._arrays:
-                return self._arrays[name]
-            if self._error is not None:
-                raise self._error
-            raise MissingTensor(self.model, name)
-
-    def _step(self) -> None:
+    def _make(self) -> None:
+        iterator: Iterator[tuple[str, Any]] | None = None
+        ended, error = Making.DONE, None
         try:
-            if self._iterator is None:
-                self._iterator = iter(self._produced)
-            name, array = self._pair(next(self._iterator))
-        except StopIteration:
-            self._ended = True
+            iterator = iter(self._produced)
+            for pair in iterator:
+                name, array = self._pair(pair)
+                with self._changed:
+                    if self._state is Making.STOPPED:
+                        return
+                    self._arrays[name] = array
+                    self._changed.notify_all()
         except Exception as e:  # noqa: BLE001 - the push raises it, in the caller's thread
-            self._ended, self._error = True, e
-        else:
-            self._arrays[name] = array
+            ended, error = Making.FAILED, e
+        finally:
+            if iterator is not None and hasattr(iterator, "close"):
+                iterator.close()  # a generator's own cleanup runs here, on the thread that ran it
+            with self._changed:
+                if self._state is Making.MAKING:
+                    self._state, self._error = ended, error
+                self._changed.notify_all()
 
     def _pair(self, pair: object) -> tuple[str, Any]:
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
@@ -76,12 +90,31 @@ class ProducedTensors:
             )
         return pair[0], host_array(self.model, pair[0], pair[1])
 
+    def check_first(self) -> None:
+        """Wait for the first pair (or the end): the iterable's error if it raised before it, or yielded something
+        other than a pair."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._arrays or self._state is not Making.MAKING)
+            if not self._arrays and self._state is Making.FAILED:
+                raise self._error  # type: ignore[misc]
+
+    def get(self, name: str) -> np.ndarray:
+        """`name`'s array, waiting until it is made; the iterable's error, or MissingTensor if it ended without it."""
+        with self._changed:
+            self._changed.wait_for(lambda: name in self._arrays or self._state is not Making.MAKING)
+            if name in self._arrays:
+                return self._arrays[name]
+            if self._state is Making.FAILED:
+                raise self._error  # type: ignore[misc]
+            raise MissingTensor(self.model, name)
+
     def close(self) -> None:
-        """Wait for a step in progress, close the iterable (its cleanup runs now) and let the arrays go."""
-        with self._lock:
-            self._ended = True
-            if self._iterator is not None and hasattr(self._iterator, "close"):
-                self._iterator.close()
+        """Stop the iterable after the step in progress, wait for that step, and let the arrays go."""
+        with self._changed:
+            if self._state is Making.MAKING:
+                self._state = Making.STOPPED
+        self._thread.join()
+        with self._changed:
             self._arrays.clear()
 
 

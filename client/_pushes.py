@@ -16,7 +16,7 @@ from ._lane_choice import connections_for, describe, fell_back, frame_bytes, ope
 from .protocol.contract import Contract, Handoff
 from .protocol.errors import HandoffError, LaneBroken, UnknownHandoff, from_rpc_error
 from .protocol.frames import crc32c, encode_chunk
-from .protocol.lane import LaneClosed, LaneUnreachable, new_capability
+from .protocol.lane import Frames, LaneClosed, LaneUnreachable, new_capability
 from .protocol.messages import handoff_pb2 as pb
 from .protocol.shards import Shard
 from .protocol.wire import shard_to_proto
@@ -36,6 +36,10 @@ class PushResult:
     duplicate: bool
     ticket: str = ""
     """Names the broker that holds the hand-off: pass it to the decoder, whose pull goes straight there."""
+
+
+class _Unmade(Exception):  # (never seen outside: `run` raises its cause, PushAttempts.unmade)
+    """A chunk of the push could not be made: carries the sending out of the lane's OSError handling."""
 
 
 Held = dict[str, list[tuple[int, int]]] | None
@@ -106,7 +110,7 @@ class PushAttempts:
                 raise
             if self.resumable:  # the broker keeps a broken resumable push for a retry that will not come
                 with contextlib.suppress(HandoffError):
-                    self.client.cancel(self.contract.model, self.handoff_id, timeout=min(timeout, 5.0))
+                    self.client.cancel(self.contract.model, self.handoff_id, timeout=min(max(timeout, 1.0), 5.0))
             raise self.unmade from None  # the push ended short because a tensor could not be made: say why
 
     def _header(self, resume: bool, lane_capability: bytes = b"", lane_connections: int = 0) -> bytes:
@@ -168,21 +172,31 @@ class PushAttempts:
                 size = self.client.chunk_bytes
                 if not self.client.chunk_bytes_chosen:  # (a size the caller chose is kept on every path)
                     size = frame_bytes(lane, self.contract.nbytes, size)
-                for index, _, offset, data in self._chunks(held, size):
-                    frames.send(index, offset, data, crc32c(data))
-                frames.end()
+                self._send(frames, self._chunks(held, size), call)
             except OSError:
                 pass  # the broker ended the lane: the call says why
-            except Exception as e:  # a tensor that could not be made: the push ends short, with it
-                self.unmade = e
-                call.cancel()
-                raise
             finally:
                 frames.close()
         try:
             return call.result()
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+
+    def _send(self, frames: Frames, chunks: Iterator[tuple[int, str, int, memoryview]], call: grpc.Future) -> None:
+        """Each chunk on the lane, then its end (OSError: the broker ended the lane). A chunk that cannot be made
+        ends the push short with its error, whatever it is (an OSError included), the call cancelled."""
+        while True:
+            try:
+                chunk = next(chunks, None)
+            except Exception as e:
+                self.unmade = e
+                call.cancel()
+                raise _Unmade from e
+            if chunk is None:
+                break
+            index, _, offset, data = chunk
+            frames.send(index, offset, data, crc32c(data))
+        frames.end()
 
     def _chunks(self, held: Held, size: int) -> Iterator[tuple[int, str, int, memoryview]]:
         """(tensor index, name, offset, bytes) of each chunk to send: every `size` bytes of what `held` leaves out."""

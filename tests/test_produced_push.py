@@ -15,7 +15,7 @@ import pytest
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import FleetClient, HandoffClient
 from handoff_client._fleet import rendezvous, ticket_for
-from handoff_client.protocol.errors import CapacityExhausted, MissingTensor, WrongLength
+from handoff_client.protocol.errors import CapacityExhausted, MalformedRequest, MissingTensor, WrongLength
 from proxy import Proxy
 from support import broker_holds, raises_handoff_error
 
@@ -120,14 +120,40 @@ def test_a_tensor_the_iterable_leaves_out_or_makes_at_the_wrong_size_is_refused_
     assert_holds_nothing(broker, within=5)
 
 
+def test_an_iterable_of_the_wrong_things_is_refused_before_the_broker_is_asked(client: HandoffClient, broker):
+    """A list of arrays (names left out) is refused at once, naming both forms a push takes, and the id is still
+    free: the broker was never asked to take (or, for a resumable push, keep) anything."""
+    tensors = filled(client)
+    error = raises_handoff_error(client.push, DEMO, "r", POSITION, list(tensors.values()), resumable=True)
+    assert isinstance(error, MalformedRequest) and "(name, array) pairs" in error.message
+    assert_holds_nothing(broker)
+    client.push(DEMO, "r", POSITION, tensors, resumable=True)
+    assert_same_bits(client.pull(DEMO, "r", timeout=10).state, tensors)
+
+
+def test_an_os_error_of_the_iterable_is_its_own_not_a_broken_lane(client: HandoffClient, broker, caplog):
+    """(On a lane's path, conftest's stays_on_its_lane fails the test if the push took it for a broken lane and
+    went on the stream.)"""
+    tensors = filled(client)
+    names = list(tensors)
+
+    def time_out(name: str) -> None:
+        if name == names[1]:
+            raise TimeoutError("the copy out of the pages timed out")
+
+    with pytest.raises(TimeoutError, match="timed out"):
+        client.push(DEMO, "r", POSITION, Maker(tensors, between=time_out))
+    assert_holds_nothing(broker, within=5)
+
+
 def test_a_push_refused_before_its_bytes_has_stopped_its_iterable_when_it_raises(start_broker):
     broker = start_broker(max_bytes=1 << 20)  # less than the hand-off
     with HandoffClient(broker.address) as client:
         tensors = filled(client)
-        maker = Maker(tensors)
+        maker = Maker(tensors, between=lambda name: time.sleep(0.05))  # (slower to make than to be refused)
         error = raises_handoff_error(client.push, DEMO, "r", POSITION, maker, wait_for_room=False)
         assert isinstance(error, CapacityExhausted)
-        assert not maker.made or maker.closed.is_set()  # never started, or closed: not making the rest
+        assert maker.closed.is_set()  # at once, not after making the rest
         assert len(maker.made) < len(tensors)
     assert_holds_nothing(broker, within=5)
 
@@ -154,9 +180,9 @@ def test_a_fleet_makes_the_tensors_once_whichever_broker_takes_them(start_broker
     first, second = rendezvous(list(brokers), DEMO, "r")
     with FleetClient(",".join(brokers)) as fleet:
         tensors = seeded_tensors(fleet.get_contract(DEMO).at(POSITION), seed=5)
-        brokers[first].stop(grace=0)  # the push tries it first, and goes on to the second
+        brokers[first].store.drain()  # the push tries it first (making begins), is refused, and goes to the second
         maker = Maker(tensors)
         result = fleet.push(DEMO, "r", POSITION, maker)
-        assert maker.runs == 1 and maker.closed.is_set()
+        assert maker.runs == 1 and sorted(maker.made) == sorted(tensors) and maker.closed.is_set()
         assert ticket_for(result.ticket, DEMO, "r")["b"] == second
         assert_same_bits(fleet.pull(DEMO, "r", ticket=result.ticket, timeout=10).state, tensors)

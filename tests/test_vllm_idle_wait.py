@@ -24,12 +24,9 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip insta
 from handoff_client import HandoffClient
 from handoff_client._architectures import contract_from_config
 from handoff_client.vllm import _worker
-from handoff_client.vllm._groups import group_map
-from handoff_client.vllm._layouts import Geometry
-from handoff_client.vllm._movers import AttentionMover
-from handoff_client.vllm._pages import FlashLayout
 from handoff_client.vllm._scheduler import HandoffConnectorMetadata, LoadSpec
 from handoff_client.vllm._settings import ConnectorSettings
+from worker_half import attention_worker
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2}  # fmt: skip
@@ -47,18 +44,9 @@ def served(start_broker):
 
 @pytest.fixture
 def worker(served):
-    """A consumer's worker half for CONTRACT, its two attention layers' pages zero."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
-    config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
-    half = _worker.WorkerHalf(ConnectorSettings(target=served.address, timeout=60), CONTRACT, None, config)
-    half.groups = group_map(config, CONTRACT)  # what register_kv_caches learns for these layers
-    half.layer_of = half.groups.layer_of
-    for name, plan in half.groups.layers.items():
-        half.pages[name] = torch.zeros(BLOCKS, 2, BLOCK, 32)
-        half.movers[name] = AttentionMover(plan, FlashLayout(Geometry(2, 16, BLOCK), "FLASH_ATTN"))
+    """A consumer's worker half for CONTRACT (tests/worker_half.py), its two attention layers' pages zero."""
+    half = attention_worker(CONTRACT, ConnectorSettings(target=served.address, timeout=60), kv_heads=2, head_dim=16,
+                            block=BLOCK, blocks=BLOCKS)  # fmt: skip
     yield half
     half.shutdown()
 

@@ -39,13 +39,13 @@ def test_the_connector_setting_names_the_contract(vllm_config):
     assert contract.model == "tiny-llama" and contract.ctx == 1024
 
 
-@pytest.mark.parametrize(("given", "chosen"), [(True, True), ("false", False), ("auto", None), (None, None)])
-def test_push_while_copying_is_true_false_or_auto(given, chosen):
+@pytest.mark.parametrize(("given", "chosen"), [(True, True), ("false", False), (False, False), (None, True)])
+def test_push_while_copying_is_true_or_false_and_true_unless_said(given, chosen):
     extra = {"target": "127.0.0.1:1"} | ({} if given is None else {"push-while-copying": given})
     assert ConnectorSettings.from_extra_config(extra).push_while_copying is chosen
 
 
-@pytest.mark.parametrize("given", ["yes", 1, 0.5, None])
+@pytest.mark.parametrize("given", ["yes", "auto", 1, 0.5, None])
 def test_push_while_copying_refuses_anything_else_naming_the_setting(given):
-    with pytest.raises(ValueError, match=r"push-while-copying is .*; it takes true, false or auto"):
+    with pytest.raises(ValueError, match=r"push-while-copying is .*; it takes true or false"):
         ConnectorSettings.from_extra_config({"push-while-copying": given})

@@ -46,9 +46,9 @@ def bytes_per_token(kv_heads: int) -> int:
 
 def engine(model_dir: Path, tmp: Path, name: str, tp: int, bind: str, target: str) -> Engine:
     """A kv_both instance of model `name` at TP `tp`, in session mode (tests/vllm_driver.py), its threads on `bind`.
-    The TP 2 instances push each layer as it is copied (`push-while-copying`, the GPU pages' way), the TP 1 ones copy
-    the whole prompt first (CPU pages' default): every pairing's tokens are checked through both."""
-    extra = {"target": target, "model": name} | ({"push-while-copying": True} if tp == 2 else {})
+    The TP 2 instances push each layer as it is copied (the default: the 2 -> 1 and 2 -> 2 pairings), the TP 1 ones
+    copy the whole prompt first (`push-while-copying: false`: 1 -> 2)."""
+    extra = {"target": target, "model": name} | ({"push-while-copying": False} if tp == 1 else {})
     settings = {"session": True, "block_size": 32 if tp == 1 else 64, "kv_cache_bytes": KV_CACHE_BYTES,
                 "dtype": "float32", "tp": tp, "extra": extra}  # fmt: skip
     return Engine("both", model_dir, tmp, settings, bind=bind, name=f"{name}-tp{tp}")

@@ -11,7 +11,7 @@ Keys are the command line's flag names where they overlap (`handoff-broker statu
     timeout      seconds a push or a pull may take, end to end                 default 30
     ttl          seconds a pushed hand-off waits for its decoder (0: the broker's --ttl)
     push-while-copying   true: push each layer as soon as it is copied out of the pages; false: copy the whole
-                 prompt first, then push; auto: true on GPU pages, false on CPU ones (docs/performance.md)  default auto
+                 prompt first, then push (docs/performance.md)                  default true
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ CACHE_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch
 """vLLM's cache dtypes the connector carries, by the torch dtype "auto" resolves to."""
 
 KNOWN_KEYS = {"target", "model", "tls-ca", "tls-cert", "tls-key", "token-file", "timeout", "ttl", "push-while-copying"}
-SWITCH = {True: True, False: False, "true": True, "false": False, "auto": None}
-"""push-while-copying's values (JSON booleans or strings): None is auto."""
+SWITCH = {True: True, False: False, "true": True, "false": False}
+"""push-while-copying's values (JSON booleans or strings)."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ConnectorSettings:
     token_file: str | None = None
     timeout: float = DEFAULT_TIMEOUT
     ttl: float = 0.0
-    push_while_copying: bool | None = None  # None: on GPU pages only
+    push_while_copying: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -55,11 +55,9 @@ class ConnectorSettings:
                 f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
                 f"the handoff connector takes {', '.join(sorted(KNOWN_KEYS))}"
             )
-        switch = extra.get("push-while-copying", "auto")
+        switch = extra.get("push-while-copying", True)
         if not isinstance(switch, (bool, str)) or switch not in SWITCH:
-            raise ValueError(
-                f"kv_connector_extra_config: push-while-copying is {switch!r}; it takes true, false or auto"
-            )
+            raise ValueError(f"kv_connector_extra_config: push-while-copying is {switch!r}; it takes true or false")
         return cls(
             push_while_copying=SWITCH[switch],
             target=str(extra.get("target", DEFAULT_TARGET)),

@@ -9,11 +9,11 @@ serving another contract is refused, naming both fingerprints).
 Producer: nothing runs on the forward pass. `wait_for_save`, at the end of the step that computed a prompt's last
 token, hands the request to a background sender, which copies each layer's keys and values for the prompt's rows out
 of the pages into the contract's layout (after the step's kernels, on a stream of its own on a GPU) and pushes them.
-GPU pages are pushed layer by layer, each as soon as it is copied, the push taking the copy as tensors still being
-made (handoff_client._produced): the broker, and a decoder already pulling, have the first layers while the last are
-copied. CPU pages are copied whole first: there the copy, the push and the decoder's pull share the same cores, and
-copying first committed the push 1.4-1.7x sooner with the decoder's pages no later (docs/performance.md). The
-`push-while-copying` setting chooses either way for both.
+It pushes each layer as soon as it is copied, the push taking the copy as tensors still being made
+(handoff_client._produced), which runs on a thread of its own, ahead of the sending: the broker, and a decoder
+already pulling, have the first layers while the last are copied (the decoder's pages 1.15-1.5x sooner than copying
+the whole prompt first, on CPU: docs/performance.md), and a step that must wait for the copy (below) waits for the
+copy alone, not for the push as well. `push-while-copying: false` copies the whole prompt first.
 The scheduler half holds the request's pages (`request_finished` returns True) until the push has ended, committed
 or failed; then `get_finished` releases them (finished sending), and vLLM, which steps while it holds a finished
 request's pages, sees the push's stats at once. A preempted request's pages are freed by vLLM itself, so the next
@@ -92,7 +92,6 @@ class WorkerHalf:
         self.shard: Shard | None = None  # this worker's rank and TP size (register_kv_caches)
         self.pushed: frozenset[str] = frozenset()  # the tensors this rank pushes
         self._stream: torch.cuda.Stream | None = None  # pages on a GPU: the stream the background copies run on
-        self._push_while_copying = False  # each layer pushed as it is copied (register_kv_caches: the setting)
         self._senders = ThreadPoolExecutor(4, thread_name_prefix="handoff-push")
         self._sending: set[Future] = set()
         self._receivers = ThreadPoolExecutor(4, thread_name_prefix="handoff-pull")
@@ -145,15 +144,11 @@ class WorkerHalf:
             self.movers[layer_name] = AttentionMover(plan, layout)
             self.tensors[layer_name] = (key.name, value.name)
         self.layer_of = self.groups.layer_of
-        on_gpu = self._stream is not None
-        self._push_while_copying = (
-            on_gpu if self.settings.push_while_copying is None else self.settings.push_while_copying
-        )
         kinds = sorted({plan.kind.value for plan in self.groups.layers.values()})
         logger.info("handoff connector: %d layers (%s) in %d KV-cache groups, %s pages, TP %s, model %s at %s; "
                     "a push %s", len(kv_caches), ", ".join(kinds), self.groups.groups,
                     ", ".join(sorted(backends)) or "state", self.shard, self.contract.model, self.settings.target,
-                    "sends each layer as it is copied" if self._push_while_copying else "copies every layer first")  # fmt: skip
+                    "sends each layer as it is copied" if self.settings.push_while_copying else "copies every layer first")  # fmt: skip
         self._check_broker_contract()
 
     def _part(self) -> Shard | None:
@@ -222,7 +217,7 @@ class WorkerHalf:
         try:
             placed = {"broker": save.broker} if save.broker else {}  # (a fleet: where the ticket says it goes)
             tensors = self._copied_out(save, written, copied)
-            if not self._push_while_copying:  # the whole copy first (the module's docstring)
+            if not self.settings.push_while_copying:  # the whole copy first (the module's docstring)
                 tensors = dict(tensors)
             result = self.client.push(self.contract.model, save.handoff_id, save.rows, tensors,
                                       ttl=self.settings.ttl or None, shard=self._part(), **placed)  # fmt: skip
