@@ -1,15 +1,13 @@
 """A push whose tensors are still being made: the caller passes an iterable of (name, array) pairs instead of a
-mapping, and the push sends each tensor as soon as it is made while the next is being made (a vLLM producer copying
-a prompt out of GPU pages layer by layer pushes while it copies: the broker, and a decoder already pulling, have
-the first layers while the last are copied, and the pages are free as soon as the copy ends, whenever the push
-does).
+mapping, and the push sends each tensor as soon as it is made while the next is being made (the vLLM connector's
+producer, copying a prompt out of its pages layer by layer, pushes while it copies: the broker, and a decoder
+already pulling, have the first layers while the last are copied).
 
 - The iterable runs on a thread of its own, started with the push, ahead of the sending: it is not held back by the
-  broker (a push waiting for room, a slow link). Its first pair is awaited before any call, so an iterable of the
-  wrong things is refused (MalformedRequest) before the broker is asked for anything. Tensors may come in any
-  order; in the contract's order each is sent as soon as it is made. Where making and sending share the same CPU
-  cores this is slower than making them all first (docs/performance.md): the vLLM connector makes CPU pages' copy
-  whole first.
+  broker (a push waiting for room, a slow link), so a caller waiting for the making to end (the connector, before
+  vLLM may reuse a preempted request's pages) waits for the making alone. Its first pair is awaited before any call,
+  so an iterable of the wrong things is refused (MalformedRequest) before the broker is asked for anything. Tensors
+  may come in any order; in the contract's order each is sent as soon as it is made.
 - Every array made is kept until the push ends, so a retry (another broker of a fleet, a broken connection) sends
   the same bytes without running the iterable again.
 - Each array meets the contract's rules as it is sent (`check_array`), as a mapping's would before the push; a name
