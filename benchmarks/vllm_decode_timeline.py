@@ -140,18 +140,30 @@ def install_probes(prompts: int) -> None:
 
     pull_tensors = HandoffClient.pull_tensors
 
+    class ProbedPull:
+        """The pull as the worker takes it (its attributes, `position` included), its iteration timed."""
+
+        def __init__(self, pulled) -> None:
+            self.pulled = pulled
+
+        def __getattr__(self, name: str):
+            return getattr(self.pulled, name)
+
+        def __iter__(self):
+            tensors = iter(self.pulled)
+            while True:
+                asked = time.perf_counter()
+                try:
+                    item = next(tensors)
+                except StopIteration:
+                    local.waiting += time.perf_counter() - asked  # (the confirm)
+                    return
+                local.waiting += time.perf_counter() - asked
+                local.first = local.first or time.perf_counter()
+                yield item
+
     def probed_pull_tensors(self, *args, **kwargs):
-        tensors = iter(pull_tensors(self, *args, **kwargs))
-        while True:
-            asked = time.perf_counter()
-            try:
-                item = next(tensors)
-            except StopIteration:
-                local.waiting += time.perf_counter() - asked  # (the confirm)
-                return
-            local.waiting += time.perf_counter() - asked
-            local.first = local.first or time.perf_counter()
-            yield item
+        return ProbedPull(pull_tensors(self, *args, **kwargs))
 
     HandoffClient.pull_tensors = probed_pull_tensors
 

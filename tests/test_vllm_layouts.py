@@ -147,6 +147,29 @@ def test_cpu_attn_pages_read_what_vllms_writer_wrote_and_write_what_it_reads(gen
     assert torch.count_nonzero(other[unused]) == 0
 
 
+def test_cpu_attn_pages_given_the_layer_s_writer_scatter_through_it_what_the_strided_scatter_writes():
+    """The connector hands CPU_ATTN's layout the layer's own cache writer (its `do_kv_cache_update`: here the same
+    op on the same split of the pages), and the scatter goes through it by slot: the same bytes, from a token
+    within a block, as vLLM's writer wrote the prompt whole."""
+    from vllm import _custom_ops as ops
+
+    def do_kv_cache_update(keys, values, pages, slot_mapping):
+        key_cache, value_cache = pages.view(pages.shape[0], pages.shape[1], pages.shape[2] * 2, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slot_mapping, "vec", k_scale=1.0,
+                                       v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
+
+    keys, values = tokens(seed=1)
+    pages = written_by_cpu_attn(keys, values)
+    pages_layout = layout_for("CPU_ATTN", GEOMETRY, torch.bfloat16, "vec", pages=pages, writer=do_kv_cache_update)
+    assert type(pages_layout).__name__ == "WrittenByVllm"
+    other = torch.zeros_like(pages)
+    pages_layout.scatter(other, BLOCKS, 0, keys.reshape(TOKENS, -1)[:40], values.reshape(TOKENS, -1)[:40])
+    pages_layout.scatter(other, BLOCKS, 40, keys.reshape(TOKENS, -1)[40:], values.reshape(TOKENS, -1)[40:])
+    assert torch.equal(other, pages)
+    got_keys, got_values = pages_layout.gather(other, BLOCKS, TOKENS)
+    assert torch.equal(got_keys, keys.reshape(TOKENS, -1)) and torch.equal(got_values, values.reshape(TOKENS, -1))
+
+
 def test_a_backend_whose_pages_it_does_not_know_is_refused_by_name():
     with pytest.raises(UnsupportedLayout, match="FLEX_ATTENTION"):
         layout_for("FLEX_ATTENTION", GEOMETRY, torch.bfloat16)

@@ -59,7 +59,7 @@ def layout_for(
     if pages is not None:
         geometry = with_kernel_block(geometry, pages)
     if backend == "CPU_ATTN":
-        return _cpu_pages.cpu_attn_layout(geometry, dtype, isa or "vec")
+        return _cpu_pages.cpu_attn_layout(geometry, dtype, isa or "vec", writer)
     if backend in FLASH_BACKENDS:
         layout = _pages.FlashLayout(geometry, backend)
         if pages is not None:
