@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ._page_layout import CacheWriter, Geometry, PageLayout, UnsupportedLayout, kernel_block_ids
+from ._page_layout import CacheWriter, Geometry, PageLayout, UnsupportedLayout, token_places
 
 
 class PermutedLayout(PageLayout):
@@ -69,9 +69,7 @@ class CpuAttnVecLayout(PageLayout):
             keys_view, values_view = self._views(pages.view(pages.shape[0], g.kv_heads, 2 * g.kernel * g.head_dim))
         except RuntimeError:  # the pages' elements are not one contiguous run a block: no such view of them
             return super().gather(pages, block_ids, rows, first)
-        ids = torch.tensor(kernel_block_ids(g, block_ids)[: math.ceil(rows / g.kernel)], dtype=torch.long)
-        tokens = torch.arange(first, rows, dtype=torch.long)
-        blocks, offsets = ids[tokens // g.kernel].to(pages.device), (tokens % g.kernel).to(pages.device)
+        blocks, offsets = token_places(g, block_ids, first, rows, pages.device)
         n = rows - first
         return keys_view[blocks, offsets].reshape(n, -1), values_view[blocks, offsets].reshape(n, -1)
 
@@ -94,9 +92,7 @@ class CpuAttnVecLayout(PageLayout):
         except RuntimeError:  # the pages' elements are not one contiguous run a block: no such view of them
             super().scatter(pages, block_ids, first, keys.reshape(len(keys), -1), values.reshape(len(values), -1))
             return
-        ids = torch.tensor(kernel_block_ids(g, block_ids)[: math.ceil(end / g.kernel)], dtype=torch.long)
-        tokens = torch.arange(first, end, dtype=torch.long)
-        blocks, offsets = ids[tokens // g.kernel].to(pages.device), (tokens % g.kernel).to(pages.device)
+        blocks, offsets = token_places(g, block_ids, first, end, pages.device)
         keys_view[blocks, offsets] = keys
         values_view[blocks, offsets] = values
 
@@ -133,9 +129,8 @@ class WrittenByVllm(PageLayout):
         if end == first:
             return
         g = self.geometry
-        ids = torch.tensor(kernel_block_ids(g, block_ids)[: math.ceil(end / g.kernel)], dtype=torch.long)
-        tokens = torch.arange(first, end, dtype=torch.long)
-        slots = (ids[tokens // g.kernel] * g.kernel + tokens % g.kernel).to(pages.device)  # (the pages' kernel blocks)
+        blocks, offsets = token_places(g, block_ids, first, end, pages.device)
+        slots = blocks * g.kernel + offsets  # (in the pages' kernel blocks)
         shape = (-1, g.kv_heads, g.head_dim)
         self.writer(keys.to(pages.dtype).reshape(shape).contiguous(), values.to(pages.dtype).reshape(shape).contiguous(),
                     pages, slots)  # fmt: skip

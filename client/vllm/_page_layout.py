@@ -58,6 +58,17 @@ def kernel_block_ids(geometry: Geometry, block_ids: list[int]) -> list[int]:
     return list(block_ids) if r == 1 else [b * r + j for b in block_ids for j in range(r)]
 
 
+def token_places(
+    geometry: Geometry, block_ids: list[int], first: int, end: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel block, offset) of tokens [first, end) of the request whose blocks are `block_ids`, as index tensors on
+    `device`: where in the page tensor each token is (its slot, as vLLM counts slots: block · kernel + offset)."""
+    g = geometry
+    ids = torch.tensor(kernel_block_ids(g, block_ids)[: math.ceil(end / g.kernel)], dtype=torch.long)
+    tokens = torch.arange(first, end, dtype=torch.long)
+    return ids[tokens // g.kernel].to(device), (tokens % g.kernel).to(device)
+
+
 class PageLayout:
     """One backend's pages for one layer, read and written in logical order. Subclasses see kernel blocks only:
     `gather` and `scatter` turn the scheduler's block ids into the page tensor's ones."""

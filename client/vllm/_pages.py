@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._page_layout import CacheWriter, Geometry, PageLayout, UnsupportedLayout, kernel_block_ids
+from ._page_layout import CacheWriter, Geometry, PageLayout, UnsupportedLayout, kernel_block_ids, token_places
 
 EXACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SENTINEL = -1.0  # no index code is negative: an element still holding it was never written
@@ -35,10 +35,7 @@ class FlashLayout(PageLayout):
 
     def _slots(self, block_ids: list[int], first: int, end: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(kernel block, offset) of tokens [first, end), as index tensors on `device`."""
-        g = self.geometry
-        ids = torch.tensor(kernel_block_ids(g, block_ids)[: math.ceil(end / g.kernel)], dtype=torch.long)
-        tokens = torch.arange(first, end, dtype=torch.long)
-        return ids[tokens // g.kernel].to(device), (tokens % g.kernel).to(device)
+        return token_places(self.geometry, block_ids, first, end, device)
 
     def gather(
         self, pages: torch.Tensor, block_ids: list[int], rows: int, first: int = 0
