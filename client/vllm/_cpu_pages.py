@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ._page_layout import CacheWriter, Geometry, PageLayout, UnsupportedLayout, token_places
+from ._page_layout import CacheWriter, Geometry, PageLayout, UnsupportedLayout, slot_mapping, token_places
 
 
 class PermutedLayout(PageLayout):
@@ -129,8 +129,7 @@ class WrittenByVllm(PageLayout):
         if end == first:
             return
         g = self.geometry
-        blocks, offsets = token_places(g, block_ids, first, end, pages.device)
-        slots = blocks * g.kernel + offsets  # (in the pages' kernel blocks)
+        slots = slot_mapping(g, block_ids, first, end, pages.device)
         shape = (-1, g.kv_heads, g.head_dim)
         self.writer(keys.to(pages.dtype).reshape(shape).contiguous(), values.to(pages.dtype).reshape(shape).contiguous(),
                     pages, slots)  # fmt: skip

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ._layouts import UnsupportedLayout
+from ._page_layout import KernelBlocks, slot_mapping, token_places
 from ._pages import EXACT_DTYPES, index_codes, scratch_like
 
 MLA_BACKENDS = ("CPU_MLA", "FLASHMLA", "TRITON_MLA")
@@ -57,7 +58,7 @@ LatentWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class LatentGeometry:
+class LatentGeometry(KernelBlocks):
     """One MLA layer's cache: `width` = kv_lora_rank + qk_rope_head_dim per token (`rank` of them the latent),
     `block` tokens a manager block, cut into kernel blocks of `kernel_block` (0: not cut)."""
 
@@ -65,14 +66,6 @@ class LatentGeometry:
     block: int
     kernel_block: int = 0
     rank: int = 0  # kv_lora_rank: where k_pe starts (only the start-up check needs it)
-
-    @property
-    def kernel(self) -> int:
-        return self.kernel_block or self.block
-
-    @property
-    def ratio(self) -> int:
-        return self.block // self.kernel
 
 
 class LatentLayout:
@@ -82,24 +75,17 @@ class LatentLayout:
         self.geometry = geometry
         self.name = name
 
-    def _slots(self, block_ids: list[int], first: int, end: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        g = self.geometry
-        r = g.ratio
-        ids = [b * r + j for b in block_ids for j in range(r)][: math.ceil(end / g.kernel)]
-        tokens = torch.arange(first, end, dtype=torch.long)
-        return torch.tensor(ids, dtype=torch.long)[tokens // g.kernel].to(device), (tokens % g.kernel).to(device)
-
     def gather(self, pages: torch.Tensor, block_ids: list[int], rows: int, first: int = 0) -> torch.Tensor:
         """Latents of tokens [first, rows) of the request whose blocks are `block_ids`, as (rows - first, width):
         a copy; blocks wholly before `first` are not read."""
-        blocks, offsets = self._slots(block_ids, first, rows, pages.device)
+        blocks, offsets = token_places(self.geometry, block_ids, first, rows, pages.device)
         return pages[:, 0][blocks, offsets]
 
     def scatter(self, pages: torch.Tensor, block_ids: list[int], first: int, latent: torch.Tensor) -> None:
         """Write tokens [first, first + len(latent)) of the request whose blocks are `block_ids`; (n, width)."""
         if latent.shape[0] == 0:
             return
-        blocks, offsets = self._slots(block_ids, first, first + latent.shape[0], pages.device)
+        blocks, offsets = token_places(self.geometry, block_ids, first, first + latent.shape[0], pages.device)
         pages[:, 0][blocks, offsets] = latent.to(pages.dtype)  # pages[:, 0] is a view: this writes the pages
 
 
@@ -165,9 +151,7 @@ def verify_latent(layout: LatentLayout, pages: torch.Tensor, writer: LatentWrite
         raise UnsupportedLayout(f"{name}: kv_lora_rank {g.rank} does not split a latent of {g.width}")
     block_ids, rows = [2, 0], 2 * g.block - 3
     r = g.ratio
-    kernel_ids = torch.tensor([b * r + j for b in block_ids for j in range(r)])
-    tokens = torch.arange(rows, dtype=torch.long)
-    slots = (kernel_ids[tokens // g.kernel] * g.kernel + tokens % g.kernel).to(pages.device)
+    slots = slot_mapping(g, block_ids, 0, rows, pages.device)
     for digit in range(max(1, math.ceil(math.log(rows * g.width, 256)))):
         codes = index_codes(rows * g.width, digit, pages.dtype, pages.device).reshape(rows, g.width)
         written, written_storage = scratch_like(pages, 3 * r)

@@ -31,15 +31,12 @@ class UnsupportedLayout(RuntimeError):
     connector would read; the message names the backend and what differed."""
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """One layer's cache, as the connector sees it: kv_heads × head_dim per token, `block` tokens a (manager) block,
-    each cut into kernel blocks of `kernel_block` tokens (0: not cut)."""
+class KernelBlocks:
+    """A layer's blocks: `block` tokens a (manager) block, each cut into kernel blocks of `kernel_block` tokens (0:
+    not cut), the page tensor's first axis. Mixed into each geometry (attention's, an MLA latent's)."""
 
-    kv_heads: int
-    head_dim: int
     block: int
-    kernel_block: int = 0
+    kernel_block: int
 
     @property
     def kernel(self) -> int:
@@ -52,21 +49,40 @@ class Geometry:
         return self.block // self.kernel
 
 
-def kernel_block_ids(geometry: Geometry, block_ids: list[int]) -> list[int]:
+@dataclass(frozen=True)
+class Geometry(KernelBlocks):
+    """One layer's cache, as the connector sees it: kv_heads × head_dim per token, `block` tokens a (manager) block,
+    each cut into kernel blocks of `kernel_block` tokens (0: not cut)."""
+
+    kv_heads: int
+    head_dim: int
+    block: int
+    kernel_block: int = 0
+
+
+def kernel_block_ids(geometry: KernelBlocks, block_ids: list[int]) -> list[int]:
     """The page tensor's blocks, in token order, that manager blocks `block_ids` are made of."""
     r = geometry.ratio
     return list(block_ids) if r == 1 else [b * r + j for b in block_ids for j in range(r)]
 
 
 def token_places(
-    geometry: Geometry, block_ids: list[int], first: int, end: int, device: torch.device
+    geometry: KernelBlocks, block_ids: list[int], first: int, end: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel block, offset) of tokens [first, end) of the request whose blocks are `block_ids`, as index tensors on
-    `device`: where in the page tensor each token is (its slot, as vLLM counts slots: block · kernel + offset)."""
+    `device`: where in the page tensor each token is."""
     g = geometry
     ids = torch.tensor(kernel_block_ids(g, block_ids)[: math.ceil(end / g.kernel)], dtype=torch.long)
     tokens = torch.arange(first, end, dtype=torch.long)
     return ids[tokens // g.kernel].to(device), (tokens % g.kernel).to(device)
+
+
+def slot_mapping(
+    geometry: KernelBlocks, block_ids: list[int], first: int, end: int, device: torch.device
+) -> torch.Tensor:
+    """Tokens [first, end)'s slots, as vLLM's cache writers take them: kernel block · kernel_block + offset."""
+    blocks, offsets = token_places(geometry, block_ids, first, end, device)
+    return blocks * geometry.kernel + offsets
 
 
 class PageLayout:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._page_layout import CacheWriter, Geometry, PageLayout, UnsupportedLayout, kernel_block_ids, token_places
+from ._page_layout import CacheWriter, Geometry, PageLayout, UnsupportedLayout, slot_mapping, token_places
 
 EXACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SENTINEL = -1.0  # no index code is negative: an element still holding it was never written
@@ -33,14 +33,10 @@ class FlashLayout(PageLayout):
         super().__init__(geometry)
         self.name = name
 
-    def _slots(self, block_ids: list[int], first: int, end: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(kernel block, offset) of tokens [first, end), as index tensors on `device`."""
-        return token_places(self.geometry, block_ids, first, end, device)
-
     def gather(
         self, pages: torch.Tensor, block_ids: list[int], rows: int, first: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks, offsets = self._slots(block_ids, first, rows, pages.device)
+        blocks, offsets = token_places(self.geometry, block_ids, first, rows, pages.device)
         view, d = pages.transpose(1, 2), self.geometry.head_dim  # (kernel_blocks, kernel_block, kv_heads, 2·head_dim)
         # Each a fresh (rows - first, kv_heads, head_dim) tensor (advanced indexing copies), so the reshape is free.
         n = rows - first
@@ -53,7 +49,7 @@ class FlashLayout(PageLayout):
         if n == 0:
             return
         g = self.geometry
-        blocks, offsets = self._slots(block_ids, first, first + n, pages.device)
+        blocks, offsets = token_places(self.geometry, block_ids, first, first + n, pages.device)
         view = pages.transpose(1, 2)  # (kernel_blocks, kernel_block, kv_heads, 2·head_dim): a view of the pages
         view[blocks, offsets, :, : g.head_dim] = keys.reshape(n, g.kv_heads, g.head_dim).to(pages.dtype)
         view[blocks, offsets, :, g.head_dim :] = values.reshape(n, g.kv_heads, g.head_dim).to(pages.dtype)
@@ -122,9 +118,7 @@ def verify(layout: FlashLayout, pages: torch.Tensor, writer: CacheWriter | None)
     block_ids = [2, 0]  # out of order, the second one partly filled: 3 manager blocks of scratch
     rows = 2 * g.block - 3
     n_kernel = 3 * g.ratio
-    kernel_ids = kernel_block_ids(g, block_ids)
-    tokens = torch.arange(rows, dtype=torch.long)
-    slots = (torch.tensor(kernel_ids)[tokens // g.kernel] * g.kernel + tokens % g.kernel).to(pages.device)
+    slots = slot_mapping(g, block_ids, 0, rows, pages.device)
     per_plane = rows * g.kv_heads * g.head_dim
     for digit in range(max(1, math.ceil(math.log(2 * per_plane, 256)))):
         codes = index_codes(2 * per_plane, digit, pages.dtype, pages.device)
