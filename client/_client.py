@@ -120,7 +120,6 @@ class HandoffClient:
         self.chunk_bytes_chosen = chunk_bytes is not None  # ... and on the lanes, else a size for each (frame_bytes)
         self.timeout = timeout
         self.retry = retry
-        self.lanes = lanes
         self.lane_connections = lane_connections
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._closed = False
@@ -260,6 +259,11 @@ class HandoffClient:
             model=model, handoff_id=handoff_id, shard=shard_to_proto(as_shard(model, shard))
         )
         return self._call(self._progress, request, timeout)
+
+    @property
+    def lanes(self) -> bool:
+        """Whether this client takes the broker's lanes at all (`lanes=False`: every hand-off on the streams)."""
+        return self.lane_offers.lanes
 
     def lane(self, nbytes: int | None = None) -> pb.Lane | None:
         """The lane a hand-off of `nbytes` takes (None: whichever a large one would), or None for the streams
