@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ._arguments import host_array
-from .protocol.contract import Contract, check_array, cut_to_filled
+from .protocol.contract import Contract, check_array, filled_rows
 from .protocol.errors import MalformedRequest, MissingTensor
 
 
@@ -126,7 +126,7 @@ class CheckedState(Mapping[str, np.ndarray]):
 
     def __getitem__(self, name: str) -> np.ndarray:
         carried = self.contract.tensor(name)
-        array = cut_to_filled(self.contract, {name: self.produced.get(name)})[name]
+        array = filled_rows(carried, self.produced.get(name))
         check_array(self.contract.model, carried, array)
         return array
 

@@ -253,10 +253,17 @@ def cut_to_filled(contract: Contract, tensors: Mapping[str, np.ndarray]) -> dict
     sent. Arrays of any other shape are left for the contract's checks."""
     out = dict(tensors)
     for carried in contract.carried:
-        array = out.get(carried.name)
-        if carried.cache_rows and isinstance(array, np.ndarray) and array.shape == (carried.cache_rows, carried.cols):
-            out[carried.name] = array[: carried.rows]
+        if carried.name in out:
+            out[carried.name] = filled_rows(carried, out[carried.name])
     return out
+
+
+def filled_rows(carried: Carried, array: object) -> object:
+    """`array`, given at `carried`'s declared (cache) rows where the hand-off carries fewer, cut to its filled rows
+    (a view); anything else as it is, for the contract's checks."""
+    if carried.cache_rows and isinstance(array, np.ndarray) and array.shape == (carried.cache_rows, carried.cols):
+        return array[: carried.rows]
+    return array
 
 
 def check_array(model: str, carried: Carried, array: np.ndarray) -> None:
