@@ -14,7 +14,7 @@ import numpy as np
 
 from ._calls import retryable_pull
 from ._lane_choice import describe, fell_back, open_frames
-from .protocol.contract import Carried, Contract, Handoff, TensorSpans, check_array
+from .protocol.contract import Carried, Contract, Handoff, check_array
 from .protocol.errors import (
     AlreadyClaimed,
     BadChunk,
@@ -31,6 +31,7 @@ from .protocol.frames import ChunkFrame, crc32c, handoff_digest
 from .protocol.lane import OPENING_TIMEOUT, LaneUnreachable
 from .protocol.messages import handoff_pb2 as pb
 from .protocol.shards import Shard, view
+from .protocol.spans import TensorSpans
 from .protocol.wire import shard_to_proto
 
 if TYPE_CHECKING:

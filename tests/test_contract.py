@@ -23,7 +23,7 @@ from handoff_client import (
     WrongLayout,
     WrongLength,
 )
-from handoff_client.protocol.contract import TensorSpans
+from handoff_client.protocol.spans import TensorSpans
 
 DEMO = default_contracts()["demo-hybrid"]
 K = "layers.1.self_attn.k_cache"

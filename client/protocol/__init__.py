@@ -1,7 +1,8 @@
 """What the broker and every client share: one implementation of each rule of the wire (the `.proto`,
 proto/handoff/v1/handoff.proto, is its source of truth; docs/protocol.md and docs/lanes.md its specification).
 
-    contract.py  a model's contract and a hand-off's checks (`check`, `take`), manifests, TensorSpans
+    contract.py  a model's contract and a hand-off's checks (`check`, `take`), manifests
+    spans.py     what of each tensor has arrived, checked chunk by chunk (TensorSpans)
     dtypes.py    the element types a contract may declare
     errors.py    the error model: one exception per reason, to and from google.rpc.Status
     frames.py    chunk frames, CRC32C and the hand-off digest

@@ -4,7 +4,7 @@ This is the design card's `Contract`, `Carried`, `Handoff` and `check`, kept to 
 by name, when it carries a tensor the contract does not (UnknownTensor), leaves one out (MissingTensor), holds one of
 the wrong size (WrongLength), or stands at a position whose next row the cache lacks (PositionOutOfRange). The client
 applies these rules to whole arrays before it sends; the broker applies the same rules, chunk by chunk, with
-`TensorSpans`, as bytes arrive. One implementation, one set of messages.
+`spans.TensorSpans`, as bytes arrive. One implementation, one set of messages.
 
 Only what the prompt filled: a tensor whose rows are cache positions (`rows_are_positions`: an attention layer's key
 or value cache, an MLA latent, a sliding-window ring) holds, after `position` tokens, only min(position, rows) rows
@@ -18,7 +18,6 @@ quantization scale) are carried whole at every position.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import re
@@ -31,7 +30,6 @@ import numpy as np
 
 from .dtypes import DTYPES, numpy_dtype
 from .errors import (
-    BadChunk,
     ManifestError,
     MissingTensor,
     PositionOutOfRange,
@@ -91,6 +89,12 @@ class Carried:
     @cached_property
     def nbytes(self) -> int:
         return self.values * self.numpy_dtype.itemsize
+
+    def filled_note(self) -> str:
+        """What WrongLength says of a want that is a filled size: the rows the position filled, of those declared."""
+        if not self.cache_rows:
+            return ""
+        return f"the {self.rows} rows {self.rows} tokens filled of its {self.cache_rows}"
 
     def layout(self) -> str:
         if self.cache_rows:
@@ -273,75 +277,10 @@ def check_array(model: str, carried: Carried, array: np.ndarray) -> None:
     if array.size != carried.values:
         itemsize = carried.numpy_dtype.itemsize
         raise WrongLength(
-            model, carried.name, carried.values, array.size * itemsize, carried.dtype, itemsize, _filled_note(carried)
+            model, carried.name, carried.values, array.size * itemsize, carried.dtype, itemsize, carried.filled_note()
         )
     if array.shape != carried.shape or array.dtype != carried.numpy_dtype:
         raise WrongLayout(model, carried.name, carried.layout(), f"{array.shape} {array.dtype}")
-
-
-class TensorSpans:
-    """The byte ranges of one tensor received so far, kept disjoint, so a hand-off is complete exactly when every
-    tensor's ranges add up to its size. Used by the broker on a push and by the client on a pull."""
-
-    __slots__ = ("carried", "model", "received", "_starts", "_ends")
-
-    def __init__(self, model: str, carried: Carried) -> None:
-        self.model = model
-        self.carried = carried
-        self.received = 0
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-
-    def add(self, offset: int, length: int) -> None:
-        """Record bytes [offset, offset + length); BadChunk if they are empty, past the end, or already received."""
-        at = self.check(offset, length)
-        self._starts.insert(at, offset)
-        self._ends.insert(at, offset + length)
-        self.received += length
-
-    def check(self, offset: int, length: int) -> int:
-        """Whether bytes [offset, offset + length) could be added now (BadChunk if not); where they would go."""
-        name, size = self.carried.name, self.carried.nbytes
-        if length == 0:
-            raise BadChunk(self.model, name, offset, length, "is empty")
-        if offset + length > size:
-            raise BadChunk(
-                self.model, name, offset, length, f"runs past the tensor's {size} bytes ({self.carried.layout()})"
-            )
-        at = bisect.bisect_right(self._starts, offset)
-        if (at > 0 and self._ends[at - 1] > offset) or (at < len(self._starts) and self._starts[at] < offset + length):
-            raise BadChunk(self.model, name, offset, length, "overlaps bytes already received")
-        return at
-
-    @property
-    def complete(self) -> bool:
-        return self.received == self.carried.nbytes
-
-    def ranges(self) -> list[tuple[int, int]]:
-        """The received bytes as (offset, length), in order, adjacent ranges merged."""
-        merged: list[tuple[int, int]] = []
-        for start, end in zip(self._starts, self._ends):
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], end - merged[-1][0])
-            else:
-                merged.append((start, end - start))
-        return merged
-
-    def check_complete(self) -> None:
-        """At the end of a stream: the tensor came whole (MissingTensor if not at all, WrongLength if in part)."""
-        if self.complete:
-            return  # (a position-indexed tensor at position 0 is complete with no bytes at all)
-        if self.received == 0:
-            raise MissingTensor(self.model, self.carried.name)
-        c = self.carried
-        raise WrongLength(self.model, c.name, c.values, self.received, c.dtype, c.numpy_dtype.itemsize, _filled_note(c))
-
-
-def _filled_note(carried: Carried) -> str:
-    """What WrongLength says of a want that is a filled size: the rows the position filled, of those declared."""
-    if not carried.cache_rows:
-        return ""
-    return f"the {carried.rows} rows {carried.rows} tokens filled of its {carried.cache_rows}"
 
 
 def _parse_manifest(data: object, source: str) -> Contract:

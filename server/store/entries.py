@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from handoff_client.protocol.contract import Contract, TensorSpans
+from handoff_client.protocol.contract import Contract
+from handoff_client.protocol.spans import TensorSpans
 
 from .ledger import Reservation
 

@@ -15,7 +15,7 @@ import math
 import threading
 from collections.abc import Callable
 
-from handoff_client.protocol.contract import Contract, TensorSpans
+from handoff_client.protocol.contract import Contract
 from handoff_client.protocol.errors import (
     CallCancelled,
     CapacityExhausted,
@@ -30,6 +30,7 @@ from handoff_client.protocol.errors import (
     UnknownHandoff,
 )
 from handoff_client.protocol.shards import WHOLE, Shard, view
+from handoff_client.protocol.spans import TensorSpans
 
 from .entries import CHUNK_FLOOR, WAIT_SLICE, Entry, HandoffKey, Interrupt, StoredChunk, by_tensor, run_interrupts
 from .groups import Group, TensorParallel, part_key

@@ -12,9 +12,10 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from handoff_client.protocol.contract import Contract, TensorSpans
+from handoff_client.protocol.contract import Contract
 from handoff_client.protocol.errors import BadChunk, HandoffExists, MissingTensor
 from handoff_client.protocol.frames import ChunkFrame, crc32c, handoff_digest
+from handoff_client.protocol.spans import TensorSpans
 
 from .entries import StoredChunk
 
