@@ -291,6 +291,20 @@ def test_a_prefill_instance_whose_pushes_fail_logs_why_and_releases_every_page(e
     assert "handoff connector: 2 layers" in logged  # the start-up line, at INFO, seen in an offline engine too
 
 
+def test_each_step_waits_for_copies_of_freed_pages_before_its_forward_pass_and_starts_loads_after(engines):
+    """vLLM's own order, in a real engine: the worker waits for the copies still reading pages vLLM freed (a
+    preempted request's, a window's passed blocks) in `handle_preemptions`, before the step's forward pass may write
+    those pages; vLLM starts this connector's loads (all asynchronous) only after the forward. The wait was in
+    `start_load_kv`, after the forward had already written the pages it guards."""
+    producer = engines["producer"]
+    producer.ask("trace", on=True)
+    producer.generate([PROMPTS[1]], [None], max_tokens=3)  # (plain: nothing pushed, nothing left in the broker)
+    calls = producer.ask("trace", on=False)["trace"]
+    assert calls.count("forward") == 3, calls  # its prefill and two decode steps
+    steps = " ".join(calls).replace("wait_for_copies forward start_load_kv", "step")
+    assert set(steps.split()) == {"step"}, calls
+
+
 def test_a_decode_instance_whose_broker_serves_another_contract_is_refused_at_start_up(engines, brokers, contract):
     refused = engines["other-contract"]
     assert refused.finished() != 0

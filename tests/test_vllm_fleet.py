@@ -107,6 +107,7 @@ def test_a_hand_off_at_another_position_than_the_load_expects_is_refused_and_rec
         del p["prompt_digest"]
     decoded = engine.generate([extended, shorter], params, max_tokens=MAX_TOKENS)
     assert decoded["tokens"] == plain["tokens"]  # recomputed, not loaded short or long
+    assert engine.text().count("came without a prompt_digest: loaded without checking") == 1  # warned, once
     # Refused before the claim was confirmed: each hand-off is still with its broker, ready again, or (a stream the
     # broker had sent whole before the pull was refused) leased to that claim for --lease, then ready again.
     with_broker = {b.address: b.store.stats().ready + b.store.stats().claimed for b in brokers}

@@ -11,6 +11,7 @@ pages read by its movers; the worker is given its layers as register_kv_caches g
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -20,6 +21,8 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip insta
 
 from handoff_client import HandoffClient
 from handoff_client._architectures import contract_from_config
+from handoff_client.protocol.errors import HandoffCancelled
+from handoff_client.protocol.shards import Shard
 from handoff_client.vllm._scheduler import HandoffConnectorMetadata, SaveSpec
 from handoff_client.vllm._settings import ConnectorSettings
 from worker_half import attention_worker
@@ -30,6 +33,7 @@ CONTRACT = contract_from_config(LLAMA, ctx=8192, dtype="float32", model="tiny-pr
 BLOCK, ROWS = 16, 4096  # 4 tensors of 4,096 rows of 2 x 16 float32: 2 MiB
 BLOCK_IDS = (tuple(range(ROWS // BLOCK + 1, 0, -1))[: ROWS // BLOCK],)  # out of order, as an engine hands them out
 HANDOFF_BYTES = ROWS * sum(c.cols * 4 for c in CONTRACT.carried)
+DECODER_TIMEOUT = 20  # a decoder's connector timeout: what a pull waits at most for a hand-off to be whole
 
 
 @pytest.fixture
@@ -38,9 +42,10 @@ def served(start_broker):
     return start_broker(contracts={CONTRACT.model: CONTRACT}, max_bytes=HANDOFF_BYTES * 3 // 2)
 
 
-def producer(address: str, while_copying: bool):
+def producer(address: str, while_copying: bool, shard: Shard | None = None):
     half = attention_worker(CONTRACT, ConnectorSettings(target=address, timeout=60, push_while_copying=while_copying),
-                            kv_heads=2, head_dim=16, block=BLOCK, blocks=ROWS // BLOCK + 2)  # fmt: skip
+                            kv_heads=2 // (shard.size if shard else 1), head_dim=16, block=BLOCK,
+                            blocks=ROWS // BLOCK + 2, shard=shard)  # fmt: skip
     generator = torch.Generator().manual_seed(3)
     for pages in half.pages.values():
         pages.copy_(torch.randn(pages.shape, generator=generator))
@@ -84,7 +89,7 @@ def test_a_request_preempted_during_its_push_waits_for_the_copy_not_the_push(ser
         client.push(CONTRACT.model, "filler", ROWS, filler)  # the broker is full
         try:
             worker.wait_for_save(HandoffConnectorMetadata(saves=[SaveSpec("req", "req-h", BLOCK_IDS, ROWS)]))
-            step = threading.Thread(target=worker.start_load_kv, args=(HandoffConnectorMetadata(preempted=["req"]),))
+            step = threading.Thread(target=worker.wait_for_copies, args=(HandoffConnectorMetadata(preempted=["req"]),))
             step.start()
             step.join(15)
             assert not step.is_alive(), "the step waited for the push, not for the copy out of the pages"
@@ -96,3 +101,27 @@ def test_a_request_preempted_during_its_push_waits_for_the_copy_not_the_push(ser
             assert all(np.array_equal(pulled[name], rows) for name, rows in expected.items())
         finally:
             worker.shutdown()
+
+
+def test_a_rank_whose_push_fails_cancels_the_hand_off_so_a_decoder_hears_at_once(served):
+    """At TP 2, rank 0 pushes its part and rank 1's push fails before it reaches the broker (its copy out of the
+    pages fails: blocks its pages do not have). Rank 1 cancels the hand-off, every rank's part, so a decoder pulling
+    it is told at once and vLLM recomputes there; before, the decoder waited its whole timeout for a part that
+    would never come, and rank 0's part stayed in the broker until its TTL."""
+    ranks = [producer(served.address, True, Shard(rank, 2)) for rank in (0, 1)]
+    try:
+        ranks[0].wait_for_save(HandoffConnectorMetadata(saves=[SaveSpec("req", "req-h", BLOCK_IDS, ROWS)]))
+        assert ranks[0].flush(30)
+        missing = (tuple(block + ROWS for block in BLOCK_IDS[0]),)
+        ranks[1].wait_for_save(HandoffConnectorMetadata(saves=[SaveSpec("req", "req-h", missing, ROWS)]))
+        assert ranks[1].flush(30)
+        assert ranks[1].take_stats().data["failed_pushes"] == [1]
+        started = time.monotonic()
+        with HandoffClient(served.address, timeout=DECODER_TIMEOUT) as client:
+            with pytest.raises(HandoffCancelled):
+                client.pull(CONTRACT.model, "req-h")
+            assert time.monotonic() - started < DECODER_TIMEOUT / 2
+            assert client.status().resident_bytes == 0  # rank 0's part is gone too
+    finally:
+        for rank in ranks:
+            rank.shutdown()

@@ -49,3 +49,16 @@ def test_push_while_copying_is_true_or_false_and_true_unless_said(given, chosen)
 def test_push_while_copying_refuses_anything_else_naming_the_setting(given):
     with pytest.raises(ValueError, match=r"push-while-copying is .*; it takes true or false"):
         ConnectorSettings.from_extra_config({"push-while-copying": given})
+
+
+@pytest.mark.parametrize(("key", "given"), [("timeout", 0), ("timeout", -1), ("timeout", "nan"), ("timeout", "inf"),
+                                            ("timeout", True), ("timeout", "soon"), ("timeout", 1e9), ("ttl", -5),
+                                            ("ttl", float("nan")), ("ttl", None)])  # fmt: skip
+def test_a_timeout_or_ttl_that_is_not_a_bounded_number_of_seconds_is_refused_naming_it(key, given):
+    with pytest.raises(ValueError, match=rf"{key} is .*; it takes seconds, .*, at most 86400"):
+        ConnectorSettings.from_extra_config({key: given})
+
+
+def test_timeout_and_ttl_take_seconds_as_numbers_or_strings():
+    settings = ConnectorSettings.from_extra_config({"timeout": "2.5", "ttl": 0})
+    assert (settings.timeout, settings.ttl) == (2.5, 0.0)

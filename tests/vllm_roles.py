@@ -11,7 +11,8 @@ kv_transfer_params or null), {"op": "release"} (steps until no finished request 
 {"op": "flush", "timeout": s} (waits for the pushes under way to end, tp 1 only: {"flushed": bool}),
 {"op": "reset_prefix_cache"} (vLLM's prefix cache emptied, so that prompts run before give no local hits:
 {"reset": true}), {"op": "corrupt", "on": bool} (the negative control's switch below, for the requests after it:
-{"corrupt": on}), {"op": "exit"}. tests/vllm_driver.py starts these processes and drives them. Settings: prompts,
+{"corrupt": on}), {"op": "trace", "on": bool} (the order of the worker's hooks and the forward: `trace`),
+{"op": "exit"}. tests/vllm_driver.py starts these processes and drives them. Settings: prompts,
 block_size, max_tokens, kv_transfer_params, kv_cache_bytes, extra (the connector's kv_connector_extra_config), and
 optionally dtype (bfloat16), tp (1: over vLLM's `mp` executor when more), max_model_len (1024), prefix_caching
 (false), max_num_seqs (vLLM's default).
@@ -96,6 +97,35 @@ def corrupt_pulled_keys(on: bool = True) -> None:
     WorkerHalf._write_layer = write_reversed_keys
 
 
+TRACE: list[str] = []  # what the "trace" command records: the worker's hooks and the model's forward, in call order
+TRACING = [False]  # whether it records now
+
+
+def trace(llm, on: bool) -> dict:
+    """The session's "trace" command: with `on`, record from now the order in which vLLM's step calls the worker
+    half's `wait_for_copies` and `start_load_kv` and the model's forward (installed once, in this process, where
+    vLLM's worker runs: the uni executor); off, stop and answer what was recorded: {"trace": [...]}."""
+    from handoff_client.vllm._worker import WorkerHalf
+
+    if not getattr(WorkerHalf.start_load_kv, "traced", False):
+        for name in ("wait_for_copies", "start_load_kv"):
+            hook = getattr(WorkerHalf, name)
+
+            def traced(self, *args, _hook=hook, _name=name, **kwargs):
+                if TRACING[0]:
+                    TRACE.append(_name)
+                return _hook(self, *args, **kwargs)
+
+            traced.traced = True
+            setattr(WorkerHalf, name, traced)
+        llm.apply_model(lambda model: model.register_forward_pre_hook(
+            lambda *_: TRACE.append("forward") if TRACING[0] else None))  # fmt: skip
+    TRACING[0] = on
+    recorded = list(TRACE)
+    TRACE.clear()
+    return {"trace": recorded}
+
+
 def generate(llm, prompts: list[list[int]], transfers: list[dict | None], max_tokens: int) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -161,6 +191,8 @@ def session(llm, start_seconds: float, more: Mapping[str, Callable[[dict], dict]
             answer = {"flushed": get_kv_transfer_group().flush(command.get("timeout", 60))}
         elif command["op"] == "reset_prefix_cache":
             answer = {"reset": llm.reset_prefix_cache()}
+        elif command["op"] == "trace":
+            answer = trace(llm, command["on"])
         elif command["op"] == "corrupt":
             corrupt_pulled_keys(command["on"])
             answer = {"corrupt": command["on"]}

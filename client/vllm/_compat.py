@@ -16,28 +16,34 @@ TESTED_SERIES = (0, 32)
 
 VLLM_HOOKS = (
     "on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-    "request_finished", "get_loaded_kv_cache_group_ids", "register_kv_caches", "start_load_kv",
-    "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished", "get_transfer_results",
-    "get_block_ids_with_load_errors",
+    "request_finished", "get_loaded_kv_cache_group_ids", "register_kv_caches", "handle_preemptions",
+    "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_transfer_results",
     "get_kv_connector_stats", "build_kv_connector_stats", "build_prom_metrics", "shutdown",
 )  # fmt: skip
 """The methods of vLLM's `KVConnectorBase_V1` that HandoffConnector overrides: each must exist on the base, or vLLM
 no longer calls it."""
+
+HMA_HOOKS = ("request_finished_all_groups",)
+"""The methods of vLLM's `SupportsHMA` that HandoffConnector overrides (what vLLM calls with its hybrid KV-cache
+manager on)."""
 
 
 class UnsupportedVllm(RuntimeError):
     """The installed vLLM is not one whose connector API the handoff connector knows."""
 
 
-def check_vllm(version: str | None = None, base: type | None = None) -> None:
+def check_vllm(version: str | None = None, base: type | None = None, hma: type | None = None) -> None:
     """Refuse (UnsupportedVllm, naming the version and what differs) a vLLM outside TESTED_SERIES, or whose connector
-    base class lacks one of VLLM_HOOKS. Defaults: the installed vLLM's `__version__` and `KVConnectorBase_V1`."""
+    base classes lack one of VLLM_HOOKS or HMA_HOOKS. Defaults: the installed vLLM's `__version__`,
+    `KVConnectorBase_V1` and `SupportsHMA`."""
     if version is None:
         import vllm
 
         version = vllm.__version__
     if base is None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as base
+    if hma is None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as hma
     tested = ".".join(map(str, TESTED_SERIES))
     match = re.match(r"(\d+)\.(\d+)", version)
     if match is None or (int(match.group(1)), int(match.group(2))) != TESTED_SERIES:
@@ -45,8 +51,9 @@ def check_vllm(version: str | None = None, base: type | None = None) -> None:
             f"the handoff connector knows vLLM {tested}.x, not vLLM {version}: its connector API and cache layouts "
             f"are checked against {tested} only (pip install 'vllm>={tested},<{TESTED_SERIES[0]}.{TESTED_SERIES[1] + 1}')"
         )
-    if missing := [name for name in VLLM_HOOKS if not callable(getattr(base, name, None))]:
-        raise UnsupportedVllm(
-            f"vLLM {version}'s {base.__name__} has no {', '.join(missing)}: not the connector API the handoff "
-            f"connector overrides (vLLM {tested}.x)"
-        )
+    for cls, hooks in ((base, VLLM_HOOKS), (hma, HMA_HOOKS)):
+        if missing := [name for name in hooks if not callable(getattr(cls, name, None))]:
+            raise UnsupportedVllm(
+                f"vLLM {version}'s {cls.__name__} has no {', '.join(missing)}: not the connector API the handoff "
+                f"connector overrides (vLLM {tested}.x)"
+            )

@@ -78,7 +78,13 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: HandoffConnectorMetadata) -> None:
+        """Before the step's forward pass (vLLM calls it first, on every worker): pages vLLM freed are no longer read
+        by a copy still under way, before the forward may write them."""
+        self.worker.wait_for_copies(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """After the forward pass, since this connector's loads are all asynchronous (vLLM starts them then)."""
         self.worker.start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -89,10 +95,6 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._get_connector_metadata())
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        released, received = self.worker.get_finished(finished_req_ids)
-        return released or None, received or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished pushes and loads, and the loads that failed: vLLM recomputes those requests' prompts."""

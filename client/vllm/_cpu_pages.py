@@ -144,8 +144,8 @@ def cpu_attn_layout(geometry: Geometry, dtype: torch.dtype, isa: str, writer: Ca
     learned: PageLayout = CpuAttnVecLayout(geometry)
     learned.name = f"CPU_ATTN ({isa})"
     probe = torch.arange(where.numel(), dtype=torch.long).reshape(1, g.kv_heads, g.kernel, 2 * g.head_dim)
-    keys, values = learned._blocks(probe, [0])
-    if not torch.equal(torch.stack((keys, values), dim=1).reshape(-1), where):
+    keys, values = learned.gather(probe, [0], g.kernel)  # (the probe's one block, read as the strided form reads)
+    if not torch.equal(torch.cat((keys.reshape(-1), values.reshape(-1))), where):
         learned = PermutedLayout(geometry, where, f"CPU_ATTN ({isa})")
     return learned if writer is None else WrittenByVllm(learned, writer)
 

@@ -46,8 +46,7 @@ from typing import Any
 
 import torch
 
-from ._layouts import UnsupportedLayout
-from ._page_layout import KernelBlocks, slot_mapping, token_places
+from ._page_layout import KernelBlocks, UnsupportedLayout, slot_mapping, token_places
 from ._pages import EXACT_DTYPES, index_codes, scratch_like
 
 MLA_BACKENDS = ("CPU_MLA", "FLASHMLA", "TRITON_MLA")

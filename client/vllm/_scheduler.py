@@ -116,6 +116,7 @@ class SchedulerHalf:
         self._loaded: set[str] = set()
         self._refused: set[str] = set()  # consumer: requests whose hand-off was refused (logged and counted once)
         self._local_hits: dict[str, int] = {}  # consumer: tokens vLLM's own prefix cache holds, as it told us
+        self._warned_no_digest = False  # consumer: params without a prompt_digest were warned of (once)
         self.stats = HandoffConnectorStats()
 
     def shutdown(self) -> None:
@@ -183,8 +184,13 @@ class SchedulerHalf:
         if (why := load_refusal(self.contract, position, request.num_prompt_tokens)) is not None:
             return why
         digest = params.get("prompt_digest")
-        if digest is None:
-            return None  # today's routers' fields: no digest to check
+        if digest is None:  # earlier routers' fields: nothing to check the prompt against, said once
+            if not self._warned_no_digest:
+                self._warned_no_digest = True
+                logger.warning("hand-off %s came without a prompt_digest: loaded without checking it is this "
+                               "request's prompt (a router that keeps every kv_transfer_params field passes it on); "
+                               "said once", params.get("handoff_id"))  # fmt: skip
+            return None
         own = prompt_digest((request.prompt_token_ids or [])[:position])
         if digest != own:
             return (
@@ -230,7 +236,7 @@ class SchedulerHalf:
         for i, request_id in enumerate(cached.req_ids):
             if request_id not in self._blocks:
                 continue
-            if request_id in (getattr(cached, "resumed_req_ids", None) or ()):
+            if request_id in cached.resumed_req_ids:  # (vLLM 0.32's field: one missing must fail, not extend)
                 # resumed after a preemption: its blocks were freed and these are all of its blocks now
                 self._blocks[request_id] = per_group(cached.new_block_ids[i] or (), self.groups.groups)
             else:

@@ -16,6 +16,7 @@ Keys are the command line's flag names where they overlap (`handoff-broker statu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from handoff_client.protocol.contract import MODEL_NAME, Contract
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 30.0
+MAX_SECONDS = 86400.0
+"""The longest `timeout` or `ttl` a setting may give: a day."""
 
 CACHE_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 """vLLM's cache dtypes the connector carries, by the torch dtype "auto" resolves to."""
@@ -66,8 +69,8 @@ class ConnectorSettings:
             tls_cert=extra.get("tls-cert"),
             tls_key=extra.get("tls-key"),
             token_file=extra.get("token-file"),
-            timeout=float(extra.get("timeout", DEFAULT_TIMEOUT)),
-            ttl=float(extra.get("ttl", 0.0)),
+            timeout=_seconds(extra, "timeout", DEFAULT_TIMEOUT, zero=False),
+            ttl=_seconds(extra, "ttl", 0.0, zero=True),
         )
 
     def client_options(self) -> dict[str, Any]:
@@ -84,6 +87,20 @@ class ConnectorSettings:
             "tls_certificate_chain": read(self.tls_cert),
             "tls_private_key": read(self.tls_key),
         }
+
+
+def _seconds(extra: dict[str, Any], key: str, default: float, *, zero: bool) -> float:
+    """A setting in seconds: a finite number, above 0 (or 0 itself where `zero`), at most MAX_SECONDS."""
+    value = extra.get(key, default)
+    try:
+        seconds = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not (0 <= seconds <= MAX_SECONDS) or (seconds == 0 and not zero):
+        least = "0 or more" if zero else "more than 0"
+        raise ValueError(f"kv_connector_extra_config: {key} is {value!r}; it takes seconds, {least}, at most "
+                         f"{MAX_SECONDS:g}")  # fmt: skip
+    return seconds
 
 
 def served_contract(vllm_config: Any, settings: ConnectorSettings, state_dtype: str | None = None) -> Contract:

@@ -1,17 +1,20 @@
 """What the connector tells vLLM of its transfers: per-interval stats (vLLM logs them as "KV Transfer metrics: ...")
 and Prometheus metrics on `vllm serve`'s /metrics, beside the broker's own.
 
-Each worker records one observation per hand-off, pushed or pulled, or one failure; vLLM ships the observations
-from the workers to its logger, where they are summed (`aggregate`), summarised (`reduce`) and observed into:
+Each worker (each TP rank) records one observation per hand-off it pushed or pulled its part of, or one failure;
+vLLM ships the observations from the workers to its logger, where they are summed (`aggregate`), summarised
+(`reduce`) and observed into (prometheus_client adds `_total` to a counter's name):
 
-    vllm:handoff_push_seconds      histogram   a push, from the end of the prefill step to the broker's commit
-    vllm:handoff_pull_seconds      histogram   a pull, from its start to the last tensor written into the pages
-    vllm:handoff_pushed_bytes      counter     bytes pushed (the rows the prompts filled)
-    vllm:handoff_pulled_bytes      counter     bytes pulled
-    vllm:handoff_failed_pushes     counter     pushes that failed (logged with their reason; nothing waits on them)
-    vllm:handoff_failed_pulls      counter     pulls that failed (their blocks recomputed)
-    vllm:handoff_refused_loads     counter     hand-offs the consumer refused to load (logged with the reason: a
-                                               prompt digest that is not the request's, ...); vLLM computed the prompt
+    vllm:handoff_push_seconds            histogram  a push, from the end of the prefill step to the broker's commit
+    vllm:handoff_pull_seconds            histogram  a pull, from its start to the last tensor written into the pages
+    vllm:handoff_pushed_bytes_total      counter    bytes pushed (the rows the prompts filled)
+    vllm:handoff_pulled_bytes_total      counter    bytes pulled
+    vllm:handoff_failed_pushes_total     counter    pushes that failed (logged with their reason; the hand-off is
+                                                    cancelled, so its decoder recomputes at once)
+    vllm:handoff_failed_pulls_total      counter    pulls that failed (their blocks recomputed)
+    vllm:handoff_refused_loads_total     counter    hand-offs the consumer refused to load (logged with the reason: a
+                                                    prompt digest that is not the request's, ...); vLLM computed the
+                                                    prompt
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ copy alone, not for the push as well. `push-while-copying: false` copies the who
 The scheduler half holds the request's pages (`request_finished` returns True) until the push has ended, committed
 or failed; then `get_finished` releases them (finished sending), and vLLM, which steps while it holds a finished
 request's pages, sees the push's stats at once. A preempted request's pages are freed by vLLM itself, so the next
-step waits for any copy still reading them (`start_load_kv`) before its forward pass may write them. A push that
-fails is logged with its reason and counted; nothing waits on it.
+step waits for any copy still reading them before its forward pass may write them (`wait_for_copies`, from vLLM's
+`handle_preemptions`, which it calls before the forward). A push that fails is logged with its reason and counted,
+and the hand-off is cancelled at the broker, every rank's part: a decoder waiting for it hears at once and
+recomputes, rather than waiting its timeout for a part that will not come.
 
 Tensor-parallel engines (_tp.py): each rank pushes its own part, `shard=(rank, tp)` (an empty one where it holds
 nothing of its own), and pulls `shard=(rank, tp)`; at start-up the KV heads vLLM gives the rank are checked against
@@ -71,6 +73,10 @@ IDLE_WAIT_SECONDS = 0.005
 """How long a step that computes nothing waits for a pull to end: vLLM would step again at once, and its empty steps,
 dozens while a pull is under way, take the GIL from the pull's thread (docs/performance.md). Bounded, so a request
 arriving meanwhile waits at most this long to be scheduled."""
+
+
+CANCEL_SECONDS = 5.0
+"""The longest a failed push's cancel may take (the sender's thread is busy meanwhile)."""
 
 
 class WorkerHalf:
@@ -223,12 +229,22 @@ class WorkerHalf:
                                       ttl=self.settings.ttl or None, shard=self._part(), **placed)  # fmt: skip
         except HandoffError as e:
             logger.warning("hand-off %s was not pushed: %s %s", save.handoff_id, e.reason, e.message)
-            return self._record_failure(pushing=True)
+            return self._give_up(save)
         except Exception:  # a worker thread must not die silently; the pages are released all the same
             logger.exception("hand-off %s was not pushed", save.handoff_id)
-            return self._record_failure(pushing=True)
+            return self._give_up(save)
         with self._lock:
             self.stats.record_push(result.bytes, time.perf_counter() - started)
+
+    def _give_up(self, save: SaveSpec) -> None:
+        """A push that failed: counted, and the hand-off cancelled at the broker (every rank's part, and a tombstone
+        where nothing of it arrived), so the decoder's pull fails at once and vLLM recomputes the prompt there.
+        Best effort, and bounded: a broker that cannot be reached has nothing a decoder could pull either."""
+        self._record_failure(pushing=True)
+        try:
+            self.client.cancel(self.contract.model, save.handoff_id, timeout=min(self.settings.timeout, CANCEL_SECONDS))
+        except HandoffError as e:
+            logger.debug("hand-off %s not cancelled after its failed push: %s %s", save.handoff_id, e.reason, e.message)
 
     def _copied_out(
         self, save: SaveSpec, written: torch.cuda.Event | None, copied: threading.Event
@@ -255,16 +271,23 @@ class WorkerHalf:
         with self._lock:
             self.stats.record_failure(pushing)
 
-    # -- consumer -----------------------------------------------------------------------------------------------------
-
-    def start_load_kv(self, metadata: HandoffConnectorMetadata) -> None:
+    def wait_for_copies(self, metadata: HandoffConnectorMetadata) -> None:
+        """Before a step's forward pass may write pages vLLM freed, wait for the copies still reading them: a
+        preempted request's (vLLM frees its pages, pushed or not), or with sliding windows every copy (vLLM frees a
+        window's passed blocks after each step). Called by vLLM before the forward (`handle_preemptions`); never
+        from `start_load_kv`, which vLLM calls after the forward when a step's loads are asynchronous, as all of
+        this connector's are."""
         with self._lock:
-            if self.groups is not None and self.groups.has_windows:  # vLLM frees a window's passed blocks after
-                waits = list(self._copying.values())  # a step, while the copy may still read them: let it end first
-            else:  # vLLM freed these pages: no copy may still read them
+            if self.groups is not None and self.groups.has_windows:
+                waits = list(self._copying.values())
+            else:
                 waits = [self._copying[r] for r in metadata.preempted if r in self._copying]
         for copying in waits:
             copying.wait()
+
+    # -- consumer -----------------------------------------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: HandoffConnectorMetadata) -> None:
         with self._lock:
             self._loading += len(metadata.loads)
         for load in metadata.loads:
