@@ -90,8 +90,7 @@ def test_an_idle_step_reports_a_load_as_soon_as_its_pull_ends(worker, served, mo
         client.push(CONTRACT.model, "req-a", ROWS, pushed)
     thread.join(WOKEN_WITHIN)
     assert not thread.is_alive(), f"the idle step still waited {WOKEN_WITHIN} s after the pull ended"
-    assert result["finished"] == (set(), {"req-a"})
-    assert worker.take_failed({"req-a"}) == set()
+    assert result["finished"] == (set(), {"req-a"}, set())  # received, and not failed
     assert result["seconds"] < WOKEN_WITHIN + 5
     layer = worker.movers["model.layers.1.self_attn.attn"]
     keys, values = layer.layout.gather(worker.pages[layer.plan.layer], list(BLOCK_IDS[0]), ROWS)
@@ -117,8 +116,7 @@ def test_an_idle_step_reports_a_failed_load_as_soon_as_its_pull_ends(worker, ser
         client.push(CONTRACT.model, "req-b", ROWS, dying())
     thread.join(WOKEN_WITHIN)
     assert not thread.is_alive(), f"the idle step still waited {WOKEN_WITHIN} s after the pull ended"
-    assert result["finished"] == (set(), {"req-b"})
-    assert worker.take_failed({"req-b"}) == {"req-b"}
+    assert result["finished"] == (set(), {"req-b"}, {"req-b"})  # received, as failed: vLLM recomputes it
 
 
 def test_an_idle_step_waits_no_longer_than_its_bound_when_no_pull_ends(worker, served, monkeypatch):
@@ -127,19 +125,19 @@ def test_an_idle_step_waits_no_longer_than_its_bound_when_no_pull_ends(worker, s
     step with no pull under way, does not wait at all; the pull is then still under way and is reported later."""
     monkeypatch.setattr(_worker, "IDLE_WAIT_SECONDS", 1.0)
     started = time.monotonic()
-    assert worker.get_finished(set(), idle=True) == (set(), set())  # nothing loading: no wait
+    assert worker.get_finished(set(), idle=True) == (set(), set(), set())  # nothing loading: no wait
     load(worker, "req-c")
     waited = time.monotonic()
-    assert worker.get_finished(set(), idle=True) == (set(), set())
+    assert worker.get_finished(set(), idle=True) == (set(), set(), set())
     idle_seconds = time.monotonic() - waited
     assert 0.9 <= idle_seconds < 20
     monkeypatch.setattr(_worker, "IDLE_WAIT_SECONDS", LONG_WAIT)
     busy = time.monotonic()
-    assert worker.get_finished(set(), idle=False) == (set(), set())  # the step computed something: no wait
+    assert worker.get_finished(set(), idle=False) == (set(), set(), set())  # the step computed something: no wait
     assert time.monotonic() - busy < WOKEN_WITHIN
     assert time.monotonic() - started < WOKEN_WITHIN + 25
     with HandoffClient(served.address, timeout=30) as client:
         client.push(CONTRACT.model, "req-c", ROWS, tensors(seed=4))
     thread, result = idle_step(worker)
     thread.join(WOKEN_WITHIN)
-    assert not thread.is_alive() and result["finished"] == (set(), {"req-c"})
+    assert not thread.is_alive() and result["finished"] == (set(), {"req-c"}, set())

@@ -74,7 +74,7 @@ def test_a_saved_request_is_pushed_as_its_pages_hold_it(served, while_copying):
         assert sorted(pulled) == sorted(want)
         for name, rows in want.items():
             assert np.array_equal(pulled[name], rows), name
-        assert worker.get_finished({"req"}) == ({"req"}, set())  # its push ended: vLLM frees its pages
+        assert worker.get_finished({"req"}) == ({"req"}, set(), set())  # its push ended: vLLM frees its pages
     finally:
         worker.shutdown()
 

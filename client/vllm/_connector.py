@@ -100,8 +100,7 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
         """Finished pushes and loads, and the loads that failed: vLLM recomputes those requests' prompts."""
         metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
         idle = isinstance(metadata, HandoffConnectorMetadata) and metadata.idle  # (a step that computes nothing)
-        released, received = self.worker.get_finished(finished_req_ids, idle)
-        return KVConnectorTransferResults(released, received, self.worker.take_failed(received))
+        return KVConnectorTransferResults(*self.worker.get_finished(finished_req_ids, idle))
 
     def get_kv_connector_stats(self) -> HandoffConnectorStats | None:
         return self.worker.take_stats() if self.worker is not None else self.scheduler.take_stats()

@@ -66,6 +66,7 @@ from ._scheduler import HandoffConnectorMetadata, LoadSpec, SaveSpec
 from ._settings import ConnectorSettings
 from ._stats import HandoffConnectorStats
 from ._tp import check_kv_heads, rank_contracts, tp_shard
+from ._transfers import Transfers
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +102,8 @@ class WorkerHalf:
         self._senders = ThreadPoolExecutor(4, thread_name_prefix="handoff-push")
         self._sending: set[Future] = set()
         self._receivers = ThreadPoolExecutor(4, thread_name_prefix="handoff-pull")
-        self._lock = threading.Lock()
-        self._pull_ended = threading.Condition(self._lock)  # notified whenever a pull ends
-        self._copying: dict[str, threading.Event] = {}  # request -> set once its pages are copied out
-        self._sent: set[str] = set()  # requests whose push ended (committed or failed)
-        self._finished: set[str] = set()  # requests vLLM finished whose pages wait for their push
-        self._received: set[str] = set()
-        self._failed: set[str] = set()  # requests whose load failed, reported with the next finished receiving
-        self._loading = 0  # pulls under way
+        self.transfers = Transfers()  # each request's push and load
+        self._stats_lock = threading.Lock()
         self.stats = HandoffConnectorStats()
 
     # -- start-up -----------------------------------------------------------------------------------------------------
@@ -203,9 +198,7 @@ class WorkerHalf:
             written = torch.cuda.Event()
             written.record()
         for save in metadata.saves:
-            copied = threading.Event()
-            with self._lock:
-                self._copying[save.request_id] = copied
+            copied = self.transfers.push_saved(save.request_id)
             sending = self._senders.submit(self._copy_and_push, save, written, copied)
             self._sending.add(sending)
             sending.add_done_callback(self._sending.discard)
@@ -214,9 +207,7 @@ class WorkerHalf:
         try:
             self._push(save, written, copied)
         finally:
-            copied.set()
-            with self._lock:
-                self._sent.add(save.request_id)
+            self.transfers.push_ended(save.request_id)
 
     def _push(self, save: SaveSpec, written: torch.cuda.Event | None, copied: threading.Event) -> None:
         started = time.perf_counter()
@@ -233,7 +224,7 @@ class WorkerHalf:
         except Exception:  # a worker thread must not die silently; the pages are released all the same
             logger.exception("hand-off %s was not pushed", save.handoff_id)
             return self._give_up(save)
-        with self._lock:
+        with self._stats_lock:
             self.stats.record_push(result.bytes, time.perf_counter() - started)
 
     def _give_up(self, save: SaveSpec) -> None:
@@ -268,7 +259,7 @@ class WorkerHalf:
             copied.set()
 
     def _record_failure(self, pushing: bool) -> None:
-        with self._lock:
+        with self._stats_lock:
             self.stats.record_failure(pushing)
 
     def wait_for_copies(self, metadata: HandoffConnectorMetadata) -> None:
@@ -277,19 +268,14 @@ class WorkerHalf:
         window's passed blocks after each step). Called by vLLM before the forward (`handle_preemptions`); never
         from `start_load_kv`, which vLLM calls after the forward when a step's loads are asynchronous, as all of
         this connector's are."""
-        with self._lock:
-            if self.groups is not None and self.groups.has_windows:
-                waits = list(self._copying.values())
-            else:
-                waits = [self._copying[r] for r in metadata.preempted if r in self._copying]
-        for copying in waits:
-            copying.wait()
+        windows = self.groups is not None and self.groups.has_windows
+        for copied in self.transfers.copies_reading(None if windows else metadata.preempted):
+            copied.wait()
 
     # -- consumer -----------------------------------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: HandoffConnectorMetadata) -> None:
-        with self._lock:
-            self._loading += len(metadata.loads)
+        self.transfers.loads_started(len(metadata.loads))
         for load in metadata.loads:
             self._receivers.submit(self._pull, load)
 
@@ -313,18 +299,11 @@ class WorkerHalf:
         except Exception as e:  # noqa: BLE001 - any failure at all: vLLM recomputes the blocks
             why = f"{e.reason} {e.message}" if isinstance(e, HandoffError) else repr(e)
             logger.warning("hand-off %s was not loaded (%s): vLLM recomputes its blocks", load.handoff_id, why)
-            with self._lock:
-                self.stats.record_failure(pushing=False)
-                self._failed.add(load.request_id)
-                self._received.add(load.request_id)
-                self._loading -= 1
-                self._pull_ended.notify_all()
-            return
-        with self._lock:
+            self._record_failure(pushing=False)
+            return self.transfers.load_ended(load.request_id, failed=True)
+        with self._stats_lock:
             self.stats.record_pull(nbytes, time.perf_counter() - started)
-            self._received.add(load.request_id)
-            self._loading -= 1
-            self._pull_ended.notify_all()
+        self.transfers.load_ended(load.request_id, failed=False)
 
     def _write_layer(self, load: LoadSpec, layer_name: str, arrived: dict[str, np.ndarray]) -> None:
         """Write the layer into the request's pages once all its tensors have arrived (each tensor arrives once, so
@@ -337,34 +316,23 @@ class WorkerHalf:
 
     # -- both ---------------------------------------------------------------------------------------------------------
 
-    def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str], set[str]]:
-        """(requests whose pages the producer releases now, requests whose load ended); vLLM's finished requests
-        are remembered until their push has ended. `idle`: the step computed nothing (its requests all wait for
-        their loads): wait up to IDLE_WAIT_SECONDS for a pull to end, rather than have vLLM step again at once."""
-        with self._lock:
-            if idle and self._loading and not self._received:
-                self._pull_ended.wait(IDLE_WAIT_SECONDS)  # (the lock is let go meanwhile: the pull can report)
-        if self._loading or self._sending:  # vLLM steps in a tight loop while a transfer is under way: let our
-            time.sleep(0)  # threads have the GIL now, not at the next 5 ms switch (pulls 3x sooner: vllm_engines.py)
-        with self._lock:
-            self._finished |= finished_req_ids & self._copying.keys()
-            released = self._finished & self._sent
-            self._finished -= released
-            self._sent -= released
-            for request_id in released:
-                del self._copying[request_id]
-            received, self._received = self._received, set()
-        return released, received
-
-    def take_failed(self, received: set[str]) -> set[str]:
-        """The requests of `received` whose load failed (each reported once, with its finished receiving)."""
-        with self._lock:
-            failed = self._failed & received
-            self._failed -= failed
-        return failed
+    def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str], set[str], set[str]]:
+        """(requests whose pages the producer releases now, requests whose load ended, those of them whose load
+        failed), each reported once; vLLM's finished requests are remembered until their push has ended. `idle`: the
+        step computed nothing (its requests all wait for their loads): wait up to IDLE_WAIT_SECONDS for a pull to
+        end, rather than have vLLM step again at once."""
+        if idle:
+            self.transfers.wait_for_a_load(IDLE_WAIT_SECONDS)
+        if self.transfers.loading or self._sending:  # vLLM steps in a tight loop while a transfer is under way: let
+            time.sleep(
+                0
+            )  # our threads have the GIL now, not at the next 5 ms switch (pulls 3x sooner: vllm_engines.py)
+        released = self.transfers.release(finished_req_ids)
+        received, failed = self.transfers.take_ended_loads()
+        return released, received, failed
 
     def take_stats(self) -> HandoffConnectorStats | None:
-        with self._lock:
+        with self._stats_lock:
             return self.stats.take()
 
     def flush(self, timeout: float) -> bool:

@@ -1,0 +1,94 @@
+"""Where each request's transfer stands on a worker, under one lock: a producer's push from its save to the release of
+its pages, a consumer's load from its start to its report. The background threads that copy, push and pull tell it;
+vLLM's step asks it (`get_finished`, `handle_preemptions`) through the worker half (_worker.py).
+
+A push: saved (its pages being copied out) -> copied (no copy reads its pages any more) -> ended (committed or
+failed). vLLM may finish the request at any point of that; its pages are released once both have happened, exactly
+once. A load: under way -> ended, loaded or failed -> reported to vLLM, exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Push:
+    copied: threading.Event = field(default_factory=threading.Event)  # set once no copy reads the pages
+    ended: bool = False  # the push ended, committed or failed
+    finished: bool = False  # vLLM finished the request: its pages wait for the push
+
+
+class Transfers:
+    """Each request's push and load, as the module docstring lays them out."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._load_ended = threading.Condition(self._lock)  # notified whenever a load ends
+        self._pushes: dict[str, _Push] = {}  # until their pages are released
+        self._ended_loads: dict[str, bool] = {}  # request -> whether its load failed, until reported
+        self._loading = 0  # loads under way
+
+    # -- pushes -------------------------------------------------------------------------------------------------------
+
+    def push_saved(self, request_id: str) -> threading.Event:
+        """A push begins: the event its copy sets once no copy reads the request's pages any more."""
+        with self._lock:
+            push = self._pushes[request_id] = _Push()
+        return push.copied
+
+    def push_ended(self, request_id: str) -> None:
+        """The push ended (committed or failed): no copy reads the pages, and they may be released."""
+        with self._lock:
+            push = self._pushes[request_id]
+            push.copied.set()
+            push.ended = True
+
+    def copies_reading(self, request_ids: Iterable[str] | None = None) -> list[threading.Event]:
+        """The copied events of the pushes of `request_ids` (None: of every push not yet released)."""
+        with self._lock:
+            if request_ids is None:
+                return [push.copied for push in self._pushes.values()]
+            return [self._pushes[r].copied for r in request_ids if r in self._pushes]
+
+    def release(self, finished: Iterable[str]) -> set[str]:
+        """vLLM finished `finished` (of which the pushes are noted): the requests whose pages are released now, each
+        once, those both finished and pushed."""
+        with self._lock:
+            for request_id in finished:
+                if request_id in self._pushes:
+                    self._pushes[request_id].finished = True
+            released = {r for r, push in self._pushes.items() if push.finished and push.ended}
+            for request_id in released:
+                del self._pushes[request_id]
+        return released
+
+    # -- loads --------------------------------------------------------------------------------------------------------
+
+    def loads_started(self, count: int) -> None:
+        with self._lock:
+            self._loading += count
+
+    def load_ended(self, request_id: str, failed: bool) -> None:
+        with self._lock:
+            self._ended_loads[request_id] = failed
+            self._loading -= 1
+            self._load_ended.notify_all()
+
+    def wait_for_a_load(self, timeout: float) -> None:
+        """If loads are under way and none has ended unreported, wait up to `timeout` s for one to end."""
+        with self._lock:
+            if self._loading and not self._ended_loads:
+                self._load_ended.wait(timeout)  # (the lock is let go meanwhile: a load can end)
+
+    def take_ended_loads(self) -> tuple[set[str], set[str]]:
+        """The loads ended since the last call, and those of them that failed; each reported once."""
+        with self._lock:
+            ended, self._ended_loads = self._ended_loads, {}
+        return set(ended), {r for r, failed in ended.items() if failed}
+
+    @property
+    def loading(self) -> bool:
+        return self._loading > 0
