@@ -15,9 +15,10 @@ The model is a random-weight Llama built here with transformers (no hub): 4 laye
     decode    the same prompt, max_tokens 1, on a second engine: recompute (no connector: prefills it again) |
               handoff (kv_consumer: pulls the hand-off into its pages, computes the last token) | example (loads
               the files). What the decode takes past one token's compute is the time to have the KV.
-    --tp      prefill at TP 2: no connector | handoff (each rank pushes its 4 KV heads); decode of those hand-offs
-              at TP 2 (each rank pulls its heads) and at TP 1 (the broker joins the two ranks' parts). TP 2 runs
-              over vLLM's `mp` executor, one core a rank (VLLM_CPU_OMP_THREADS_BIND 0|1).
+    --tp      prefill at TP 2: no connector | handoff (each rank pushes its 4 KV heads) | example (each rank
+              writes its own files); decode of those hand-offs at TP 2 (each rank pulls its heads) and at TP 1 (the
+              broker joins the two ranks' parts), and ExampleConnector's files at TP 2 (it cannot cross TP sizes).
+              TP 2 runs over vLLM's `mp` executor, one core a rank (VLLM_CPU_OMP_THREADS_BIND 0|1).
 
 The engines of one side (prefill, then decode; the TP 2 engines in sides of their own, since an idle TP 2 engine's
 workers poll) are started together and kept, and the prompts are interleaved: prompt i runs on every engine of
@@ -231,7 +232,7 @@ def side(specs: dict[str, tuple[str, dict]], rows: dict[str, tuple[str, list]], 
          workdir: Path, common: dict, once: tuple[str, ...] = ()) -> dict[str, list[dict]]:  # fmt: skip
     """Start the engines `specs` names ({engine: (role, settings)}) together, run `rows` ({row: (engine, params)})
     interleaved, and stop them."""
-    engines = {name: Engine(name, role, model_dir, workdir, **common, **settings)
+    engines = {name: Engine(name, role, model_dir, workdir, **(common | settings))
                for name, (role, settings) in specs.items()}  # fmt: skip
     try:
         for engine in engines.values():
@@ -270,16 +271,18 @@ def main() -> None:
         try:
             target = broker.stdout.readline().split("listening on ")[1].split(";")[0]
             common = {"prompts": prompts, "target": target, "storage": str(workdir / "files")}
+            tp2_files = str(workdir / "files-tp2")  # (ExampleConnector's files hold a rank's pages: TP 2's its own)
             specs = {"none": ("none", {"block": 128}), "handoff": ("handoff-kv_producer", {"block": 128}),
                      "example": ("example", {"block": 128})}  # fmt: skip
             rows = {name: (name, none) for name in specs}
             prefill = side(specs, rows, count, model_dir, workdir, common)
             if args.tp:  # sides of their own: an idle TP 2 engine's workers poll, which would weigh on the TP 1 rows
                 specs = {"none-tp2": ("none", {"block": 128, "tp": 2}),
-                         "handoff-tp2": ("handoff-kv_producer", {"block": 128, "tp": 2})}  # fmt: skip
+                         "handoff-tp2": ("handoff-kv_producer", {"block": 128, "tp": 2}),
+                         "example-tp2": ("example", {"block": 128, "tp": 2, "storage": tp2_files})}  # fmt: skip
                 # (the TP 2 producer's prompts twice: a hand-off is pulled once, and two decoders take them)
                 rows = {"none-tp2": ("none-tp2", none), "handoff-tp2": ("handoff-tp2", none),
-                        "handoff-tp2-again": ("handoff-tp2", none)}  # fmt: skip
+                        "handoff-tp2-again": ("handoff-tp2", none), "example-tp2": ("example-tp2", none)}  # fmt: skip
                 prefill |= side(specs, rows, count, model_dir, workdir, common)
             handed = {name: [[r["params"]] for r in results] for name, results in prefill.items() if "handoff" in name}
             if args.repeats > 1:
@@ -291,9 +294,11 @@ def main() -> None:
             decode = side(specs, rows, count, model_dir, workdir, common, once=("recompute",))
             if args.tp:
                 specs = {"handoff-tp2": ("handoff-kv_consumer", {"block": 32, "tp": 2}),
-                         "handoff-tp1": ("handoff-kv_consumer", {"block": 32})}  # fmt: skip
+                         "handoff-tp1": ("handoff-kv_consumer", {"block": 32}),
+                         "example-tp2": ("example", {"block": 128, "tp": 2, "storage": tp2_files})}  # fmt: skip
                 rows = {"handoff-tp2-tp2": ("handoff-tp2", handed["handoff-tp2"]),
-                        "handoff-tp2-tp1": ("handoff-tp1", handed["handoff-tp2-again"])}  # fmt: skip
+                        "handoff-tp2-tp1": ("handoff-tp1", handed["handoff-tp2-again"]),
+                        "example-tp2-tp2": ("example-tp2", none)}  # fmt: skip
                 decode |= side(specs, rows, count, model_dir, workdir, common)
             if args.tp:  # both rows of the TP 2 producer are its prefills
                 prefill["handoff-tp2"] += prefill.pop("handoff-tp2-again")
@@ -346,9 +351,11 @@ def report(prefill: dict, decode: dict, tokens: int, count: int, shape: dict, js
         print(f"  prefill TP 2             none {f['prefill_none_tp2_ms_per_1k']:8.1f}   handoff "
               f"{f['prefill_handoff_tp2_ms_per_1k']:8.1f} "
               f"({f['prefill_handoff_tp2_ms_per_1k'] / f['prefill_none_tp2_ms_per_1k']:.2f}x)")  # fmt: skip
-        print(f"  decode from TP 2         TP 2 {f['decode_handoff_tp2_tp2_ms_per_1k']:8.1f}   TP 1 "
-              f"{f['decode_handoff_tp2_tp1_ms_per_1k']:8.1f}   (TP 1 -> TP 1 handoff "
-              f"{f['decode_handoff_ms_per_1k']:.1f}, example {f['decode_example_ms_per_1k']:.1f})")  # fmt: skip
+        print(f"  decode from TP 2         TP 2 {f['decode_handoff_tp2_tp2_ms_per_1k']:8.1f} "
+              f"({f['decode_handoff_tp2_tp2_ms_per_1k'] / f['decode_example_tp2_tp2_ms_per_1k']:.2f}x example TP 2 -> 2"
+              f" {f['decode_example_tp2_tp2_ms_per_1k']:.1f})   TP 1 {f['decode_handoff_tp2_tp1_ms_per_1k']:8.1f} "
+              f"({f['decode_handoff_tp2_tp1_ms_per_1k'] / f['decode_example_ms_per_1k']:.2f}x example TP 1 -> 1; "
+              "no ExampleConnector crosses TP sizes)")  # fmt: skip
     if json_file:
         Path(json_file).write_text(json.dumps(figures, indent=2))
 
