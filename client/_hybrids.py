@@ -14,10 +14,10 @@ v_dim, kernel `linear_conv_kernel_dim`; all row-major:
     layers.{i}.linear_attn.conv_v   (kernel-1, V·v_dim)   heads V of v_dim     conv channels [2·K·k_dim, conv_dim)
     layers.{i}.linear_attn.memory   (k_dim, V·v_dim)      heads V of v_dim     memory[a, h·v_dim + b] = S_h[a, b]
 
-A conv tensor's rows are the kept inputs in time order, as vLLM's SD conv state `(kernel-1, conv_dim)` keeps them,
-its columns [Q | K | V] cut into three tensors (vLLM's DS layout is its transpose). S_h is value head h's recurrent state in transformers'
-orientation `(k_dim, v_dim)` (`recurrent_state[b, h]`); vLLM keeps it transposed per head, `(V/tp, v_dim, k_dim)`,
-so vLLM's `ssm[h, b, a]` is `memory[a, h·v_dim + b]`.
+A conv tensor's rows are the kept inputs in time order, as vLLM's SD conv state `(kernel-1, conv_dim)` keeps them, its
+columns [Q | K | V] cut into three tensors (vLLM's DS layout is its transpose). S_h is value head h's recurrent state in
+transformers' orientation `(k_dim, v_dim)` (`recurrent_state[b, h]`); vLLM keeps it transposed per head, `(V/tp, v_dim,
+k_dim)`, so vLLM's `ssm[h, b, a]` is `memory[a, h·v_dim + b]`.
 
 Tensors per Mamba2 layer i (nemotron_h, granitemoehybrid, falcon_h1), H heads of head_dim P, G groups of state N:
 

@@ -44,12 +44,12 @@ def check_vllm(version: str | None = None, base: type | None = None, hma: type |
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as base
     if hma is None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as hma
-    tested = ".".join(map(str, TESTED_SERIES))
+    tested, following = ".".join(map(str, TESTED_SERIES)), f"{TESTED_SERIES[0]}.{TESTED_SERIES[1] + 1}"
     match = re.match(r"(\d+)\.(\d+)", version)
     if match is None or (int(match.group(1)), int(match.group(2))) != TESTED_SERIES:
         raise UnsupportedVllm(
             f"the handoff connector knows vLLM {tested}.x, not vLLM {version}: its connector API and cache layouts "
-            f"are checked against {tested} only (pip install 'vllm>={tested},<{TESTED_SERIES[0]}.{TESTED_SERIES[1] + 1}')"
+            f"are checked against {tested} only (pip install 'vllm>={tested},<{following}')"
         )
     for cls, hooks in ((base, VLLM_HOOKS), (hma, HMA_HOOKS)):
         if missing := [name for name in hooks if not callable(getattr(cls, name, None))]:

@@ -1,10 +1,10 @@
 """The last-token rule at vLLM's edge, and what a contract that cannot be rewound asks of the engine.
 
-vLLM's decoder always computes the prompt's last token itself: a load that covers the whole prompt is cut back by
-one (`Scheduler._update_waiting_for_remote_kv`: `num_computed_tokens = num_tokens - 1`). For attention caches that
-rewrites one row with the same values. A contract that is not `rewindable` (handoff_client.protocol.contract: a recurrent
-state, a conv ring, a sliding window's ring shorter than the context) cannot be run back: loading the state after N
-tokens and running token N-1 again is silently wrong. So, as the contract states it (docs/contracts.md):
+vLLM's decoder always computes the prompt's last token itself: a load that covers the whole prompt is cut back by one
+(`Scheduler._update_waiting_for_remote_kv`: `num_computed_tokens = num_tokens - 1`). For attention caches that rewrites
+one row with the same values. A contract that is not `rewindable` (handoff_client.protocol.contract: a recurrent state,
+a conv ring, a sliding window's ring shorter than the context) cannot be run back: loading the state after N tokens and
+running token N-1 again is silently wrong. So, as the contract states it (docs/contracts.md):
 
 Producer: a request handed off (`do_remote_decode`) under such a contract has its prompt's last token dropped
 before it is scheduled (`truncate`; vLLM's NIXL and Mooncake connectors do the same): the prefill computes N-1

@@ -1,16 +1,16 @@
 """Tensor parallelism at vLLM's edge: which rank of which TP size this worker is, which part of a hand-off it pushes
 and pulls, and a start-up check that vLLM gives this rank exactly the KV heads the broker thinks it holds.
 
-Each prefill rank r of t pushes `shard=(r, t)`: its own heads of every split tensor (a replicated head only by the
-first rank holding it, the tensors not split only by rank 0); a rank with nothing of its own still pushes its empty
-part, since the broker makes a hand-off pullable only once every rank has pushed. Each decode rank q of d pulls
-`shard=(q, d)` and gets its heads whatever TP size pushed (the broker reshards: docs/client.md, "Tensor-parallel engines").
+Each prefill rank r of t pushes `shard=(r, t)`: its own heads of every split tensor (a replicated head only by the first
+rank holding it, the tensors not split only by rank 0); a rank with nothing of its own still pushes its empty part,
+since the broker makes a hand-off pullable only once every rank has pushed. Each decode rank q of d pulls `shard=(q, d)`
+and gets its heads whatever TP size pushed (the broker reshards: docs/client.md, "Tensor-parallel engines").
 
-The check: the broker's rule (`handoff_client.protocol.shards.held_heads`: rank r of t holds heads [r·H/t, (r+1)·H/t), or
-head r·H/t when H < t and vLLM replicates) is compared, at start-up, with what vLLM's own weight loader gives the
+The check: the broker's rule (`handoff_client.protocol.shards.held_heads`: rank r of t holds heads [r·H/t, (r+1)·H/t),
+or head r·H/t when H < t and vLLM replicates) is compared, at start-up, with what vLLM's own weight loader gives the
 rank. A one-channel-per-head `QKVParallelLinear` (vLLM's class, a few floats) is built in the worker, head i's key
-weight is set to i through vLLM's `weight_loader`, and the rank's key rows are read back: the heads vLLM's model
-loads on this rank. Any difference refuses start-up, naming the heads on each side: a wrong head is wrong tokens.
+weight is set to i through vLLM's `weight_loader`, and the rank's key rows are read back: the heads vLLM's model loads
+on this rank. Any difference refuses start-up, naming the heads on each side: a wrong head is wrong tokens.
 """
 
 from __future__ import annotations

@@ -33,10 +33,11 @@ soon as its key and value have arrived. When the pull ends — confirmed, or fai
 cancelled, a checksum or digest failed, past `timeout`) — `get_transfer_results` reports the request (finished
 receiving), a failure also as failed (`failed_recving`), so vLLM recomputes the request's prompt (or fails the
 request, by its kv_load_failure_policy). Failures go by request, not by block: block ids are unique only within a
-KV-cache group, and vLLM takes block-level errors from no connector of a model with several groups. vLLM schedules the request only then: its loads are asynchronous, which
-vLLM does not combine with layer-by-layer loading (`wait_for_layer_load` has nothing to wait for). Meanwhile vLLM
-steps without computing anything; in such a step `get_finished` waits (at most IDLE_WAIT_SECONDS) for a pull to end,
-so the empty steps do not keep the GIL from the pull's thread.
+KV-cache group, and vLLM takes block-level errors from no connector of a model with several groups. vLLM schedules
+the request only then: its loads are asynchronous, which vLLM does not combine with layer-by-layer loading
+(`wait_for_layer_load` has nothing to wait for). Meanwhile vLLM steps without computing anything; in such a step
+`get_finished` waits (at most IDLE_WAIT_SECONDS) for a pull to end, so the empty steps do not keep the GIL from the
+pull's thread. Each request's push and load is tracked in _transfers.py.
 """
 
 from __future__ import annotations
@@ -146,10 +147,11 @@ class WorkerHalf:
             self.tensors[layer_name] = (key.name, value.name)
         self.layer_of = self.groups.layer_of
         kinds = sorted({plan.kind.value for plan in self.groups.layers.values()})
+        pushing = "sends each layer as it is copied" if self.settings.push_while_copying else "copies every layer first"
         logger.info("handoff connector: %d layers (%s) in %d KV-cache groups, %s pages, TP %s, model %s at %s; "
                     "a push %s", len(kv_caches), ", ".join(kinds), self.groups.groups,
                     ", ".join(sorted(backends)) or "state", self.shard, self.contract.model, self.settings.target,
-                    "sends each layer as it is copied" if self.settings.push_while_copying else "copies every layer first")  # fmt: skip
+                    pushing)  # fmt: skip
         self._check_broker_contract()
 
     def _part(self) -> Shard | None:
