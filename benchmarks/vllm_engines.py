@@ -16,8 +16,10 @@ The model is a random-weight Llama built here with transformers (no hub): 4 laye
               handoff (kv_consumer: pulls the hand-off into its pages, computes the last token) | example (loads
               the files). What the decode takes past one token's compute is the time to have the KV.
     --tp      prefill at TP 2: no connector | handoff (each rank pushes its 4 KV heads) | example (each rank
-              writes its own files); decode of those hand-offs at TP 2 (each rank pulls its heads) and at TP 1 (the
-              broker joins the two ranks' parts), and ExampleConnector's files at TP 2 (it cannot cross TP sizes).
+              writes its pages to files; ExampleConnector's paths name no rank, so both ranks write the same files
+              and both load one rank's heads: a baseline of time, not of tokens); decode of those hand-offs at TP 2
+              (each rank pulls its heads) and at TP 1 (the broker joins the two ranks' parts), and ExampleConnector's
+              files at TP 2 (it cannot cross TP sizes).
               TP 2 runs over vLLM's `mp` executor, one core a rank (VLLM_CPU_OMP_THREADS_BIND 0|1).
 
 The engines of one side (prefill, then decode; the TP 2 engines in sides of their own, since an idle TP 2 engine's
@@ -271,7 +273,7 @@ def main() -> None:
         try:
             target = broker.stdout.readline().split("listening on ")[1].split(";")[0]
             common = {"prompts": prompts, "target": target, "storage": str(workdir / "files")}
-            tp2_files = str(workdir / "files-tp2")  # (ExampleConnector's files hold a rank's pages: TP 2's its own)
+            tp2_files = str(workdir / "files-tp2")  # (ExampleConnector's files hold a rank's pages: TP 2's apart)
             specs = {"none": ("none", {"block": 128}), "handoff": ("handoff-kv_producer", {"block": 128}),
                      "example": ("example", {"block": 128})}  # fmt: skip
             rows = {name: (name, none) for name in specs}

@@ -223,14 +223,19 @@ class FleetClient:
         options = {**kwargs, "ticket": ticket} if route.broker is not None else dict(kwargs)
         return FleetPulledTensors(self._clients, model, handoff_id, route, timeout, wait_for_push, options)
 
-    def cancel(self, model: str, handoff_id: str, **kwargs: object) -> bool:
+    def cancel(self, model: str, handoff_id: str, *, broker: str | None = None, **kwargs: object) -> bool:
         """Cancel wherever the hand-off is (a broker that left the set recently may still hold it); True if some
-        broker held it."""
+        broker held it. `broker` (where a push was placed, `place`): cancel there and nowhere else."""
+        if broker is not None:
+            if not self._set.known(broker):
+                raise MalformedRequest(f"broker {broker[:100]} has never been in this client's broker set "
+                                       f"{self.target[:100]}: not cancelled there", model)  # fmt: skip
+            return self._at(broker, lambda c: c.cancel(model, handoff_id, **kwargs))
         brokers = self._set.brokers()
         departed = [b for b in self._set.left_recently() if b not in brokers]
-        for broker in rendezvous(brokers + departed, model, handoff_id):
+        for held_by in rendezvous(brokers + departed, model, handoff_id):
             try:
-                if self._at(broker, lambda c: c.cancel(model, handoff_id, **kwargs)):
+                if self._at(held_by, lambda c: c.cancel(model, handoff_id, **kwargs)):
                     return True
             except BrokerUnavailable:
                 continue

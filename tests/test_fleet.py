@@ -172,3 +172,18 @@ def test_a_ticket_naming_a_broker_outside_the_set_is_not_followed(fleet, contrac
         forged = make_ticket("203.0.113.9:50051", MODEL, "t", contracts[MODEL].fingerprint)  # a host of its choosing
         assert_same_bits(decode.pull(MODEL, "t", ticket=forged).state, tensors)
     assert "203.0.113.9:50051, which has never been in this client's broker set" in caplog.text
+
+
+def test_a_cancel_given_the_broker_a_push_was_placed_on_goes_there_and_nowhere_else(fleet, contracts):
+    """The vLLM producer cancels a failed push where it placed it: that broker frees it, the others are not asked
+    (no tombstone there), and a broker never in the set is refused by name."""
+    tensors = seeded_tensors(contracts[MODEL])
+    addresses = [b.address for b in fleet]
+    placed = rendezvous(addresses, MODEL, "p")[-1]  # not where rendezvous would look first
+    with HandoffClient(target(fleet)) as client:
+        client.push(MODEL, "p", 1, tensors, broker=placed)
+        assert client.cancel(MODEL, "p", broker=placed)
+        assert {b.address: b.store.stats().tombstones for b in fleet} == {a: int(a == placed) for a in addresses}
+        assert {b.address: b.store.stats().resident_bytes for b in fleet} == dict.fromkeys(addresses, 0)
+        with pytest.raises(MalformedRequest, match="has never been in this client's broker set"):
+            client.cancel(MODEL, "p", broker="127.0.0.1:1")

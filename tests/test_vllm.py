@@ -300,9 +300,10 @@ def test_each_step_waits_for_copies_of_freed_pages_before_its_forward_pass_and_s
     producer.ask("trace", on=True)
     producer.generate([PROMPTS[1]], [None], max_tokens=3)  # (plain: nothing pushed, nothing left in the broker)
     calls = producer.ask("trace", on=False)["trace"]
-    assert calls.count("forward") == 3, calls  # its prefill and two decode steps
-    steps = " ".join(calls).replace("wait_for_copies forward start_load_kv", "step")
-    assert set(steps.split()) == {"step"}, calls
+    forwards = [i for i, call in enumerate(calls) if call == "forward"]
+    assert len(forwards) == 3, calls  # its prefill and two decode steps (a step without one may come between)
+    for i in forwards:
+        assert calls[i - 1 : i + 2] == ["wait_for_copies", "forward", "start_load_kv"], calls
 
 
 def test_a_decode_instance_whose_broker_serves_another_contract_is_refused_at_start_up(engines, brokers, contract):

@@ -125,3 +125,47 @@ def test_a_rank_whose_push_fails_cancels_the_hand_off_so_a_decoder_hears_at_once
     finally:
         for rank in ranks:
             rank.shutdown()
+
+
+def test_a_preempted_request_waits_for_its_copy_alone_even_when_every_sender_waits_for_the_broker(served):
+    """Five saves while the broker has no room: the four sender threads all wait for room, and the fifth push waits
+    for a sender. Its copy out of the pages does not: a copier thread makes it at once, so a step that frees its
+    pages (vLLM preempted it) goes on at once. (Before, the copy ran in the push's sender thread and the step waited
+    for a sender to come free: here, a push's timeout.)"""
+    worker = attention_worker(CONTRACT, ConnectorSettings(target=served.address, timeout=5), kv_heads=2, head_dim=16,
+                              block=BLOCK, blocks=ROWS // BLOCK + 2)  # fmt: skip
+    with HandoffClient(served.address, timeout=30) as client:
+        filler = {c.name: np.zeros((ROWS, c.cols), np.float32) for c in CONTRACT.carried}
+        client.push(CONTRACT.model, "filler", ROWS, filler)  # the broker is full
+        try:
+            saves = [SaveSpec(f"req{i}", f"req{i}-h", BLOCK_IDS, ROWS) for i in range(5)]
+            worker.wait_for_save(HandoffConnectorMetadata(saves=saves))
+            step = threading.Thread(target=worker.wait_for_copies, args=(HandoffConnectorMetadata(preempted=["req4"]),))
+            step.start()
+            step.join(3)
+            assert not step.is_alive(), "the step waited for a sender thread, not for the copy out of the pages"
+        finally:
+            worker.shutdown()  # (the pushes time out, finding no room)
+
+
+def test_under_vllm_s_v2_runner_a_saved_request_is_copied_before_its_step_ends(served):
+    """vLLM's V2 model runner writes pages a step hands out again before it calls handle_preemptions, so there
+    (`copy_within_step`) wait_for_save returns only once the pages are copied: made by the step itself here, where
+    every sender thread is busy and the push has not begun."""
+    worker = producer(served.address, True)
+    worker.copy_within_step = True
+    busy = threading.Event()
+    for _ in range(4):
+        worker._senders.submit(busy.wait)
+    try:
+        worker.wait_for_save(HandoffConnectorMetadata(saves=[SaveSpec("req", "req-h", BLOCK_IDS, ROWS)]))
+        assert worker.transfers.copies(["req"])[0].copied.is_set()
+        expected = rows_in_pages(worker)
+        busy.set()
+        assert worker.flush(30)
+        with HandoffClient(served.address, timeout=30) as client:
+            pulled = client.pull(CONTRACT.model, "req-h").state
+        assert all(np.array_equal(pulled[name], rows) for name, rows in expected.items())  # the copy the step made
+    finally:
+        busy.set()
+        worker.shutdown()

@@ -62,3 +62,15 @@ def test_a_timeout_or_ttl_that_is_not_a_bounded_number_of_seconds_is_refused_nam
 def test_timeout_and_ttl_take_seconds_as_numbers_or_strings():
     settings = ConnectorSettings.from_extra_config({"timeout": "2.5", "ttl": 0})
     assert (settings.timeout, settings.ttl) == (2.5, 0.0)
+
+
+@pytest.mark.parametrize(("runner", "within"), [("1", True), ("0", False)])
+def test_the_producer_copies_within_the_step_exactly_where_vllm_runs_its_v2_model_runner(
+    vllm_config, monkeypatch, runner, within
+):
+    """vLLM's V2 runner writes reallocated pages before handle_preemptions; its V1 runner does not (the CPU build's)."""
+    from handoff_client.vllm._worker import reuses_pages_before_preemptions
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
+    assert vllm_config.use_v2_model_runner is within  # (vLLM's own reading of it)
+    assert reuses_pages_before_preemptions(vllm_config) is within

@@ -1,19 +1,31 @@
 """The connector worker's bookkeeping of each request's transfer (client/vllm/_transfers.py): a push's pages are
-released exactly once, when vLLM has finished the request and the push has ended, in whichever order those come; a
-load is reported exactly once, with its failure."""
+released exactly once, when vLLM has finished the request and its copy and push have ended, in whichever order those
+come; a load is reported exactly once, with its failure. And a request's copy out of the pages (_copy_out.py) is
+made once, by whoever wants it first."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import numpy as np
+import pytest
+from handoff_client.vllm._copy_out import CopyOut
 from handoff_client.vllm._transfers import Transfers
 
 
-def test_a_push_s_pages_are_released_once_vllm_finished_it_and_the_push_ended_in_either_order():
+def saved(transfers: Transfers, request_id: str) -> CopyOut:
+    """A push saved for `request_id`, its copy out of (no) pages not yet made."""
+    copy = CopyOut(iter(()))
+    transfers.push_saved(request_id, copy)
+    return copy
+
+
+def test_a_push_s_pages_are_released_once_vllm_finished_it_and_its_copy_and_push_ended_in_any_order():
     transfers = Transfers()
-    transfers.push_saved("finished-first")
-    transfers.push_saved("ended-first")
+    copies = {r: saved(transfers, r) for r in ("finished-first", "ended-first", "failed-while-copying")}
+    for request_id in ("finished-first", "ended-first"):
+        copies[request_id].ensure()  # (their copies made)
     assert transfers.release({"finished-first"}) == set()  # its push still under way: the pages wait
     transfers.push_ended("ended-first")
     assert transfers.release(set()) == set()  # vLLM has not finished it: nothing to release yet
@@ -21,25 +33,52 @@ def test_a_push_s_pages_are_released_once_vllm_finished_it_and_the_push_ended_in
     assert transfers.release(set()) == {"finished-first"}  # (vLLM told once; remembered)
     assert transfers.release({"ended-first"}) == {"ended-first"}
     assert transfers.release({"finished-first", "ended-first"}) == set()  # each released once
+    transfers.push_ended("failed-while-copying")  # a push that failed while a step still makes its copy
+    assert transfers.release({"failed-while-copying"}) == set()
+    copies["failed-while-copying"].ensure()
+    assert transfers.release(set()) == {"failed-while-copying"}
 
 
-def test_only_requests_being_pushed_are_remembered_as_finished():
+def test_only_requests_being_pushed_are_remembered_as_finished_and_none_is_saved_twice_at_once():
     transfers = Transfers()
     assert transfers.release({"never-saved"}) == set()
-    transfers.push_saved("never-saved")  # (a later request under the same id)
+    saved(transfers, "never-saved").push_ended()  # (a later request under the same id; its copy never made)
     transfers.push_ended("never-saved")
     assert transfers.release(set()) == set()
+    with pytest.raises(ValueError, match="saved a second time while its first push is under way"):
+        saved(transfers, "never-saved")
 
 
-def test_the_copies_a_step_waits_for_are_those_of_the_requests_named_or_of_every_push_not_released():
+def test_the_copies_a_step_has_made_are_those_of_the_requests_named_or_of_every_push_not_released():
     transfers = Transfers()
-    copied = {r: transfers.push_saved(r) for r in ("a", "b")}
-    assert transfers.copies_reading(["b", "unknown"]) == [copied["b"]]
-    assert transfers.copies_reading() == [copied["a"], copied["b"]]
+    copies = {r: saved(transfers, r) for r in ("a", "b")}
+    assert transfers.copies(["b", "unknown"]) == [copies["b"]]
+    assert transfers.copies() == [copies["a"], copies["b"]]
+    copies["a"].ensure()
     transfers.push_ended("a")
-    assert copied["a"].is_set() and not copied["b"].is_set()  # a push that ended reads no page
     transfers.release({"a"})
-    assert transfers.copies_reading() == [copied["b"]]
+    assert transfers.copies() == [copies["b"]]
+
+
+def test_a_copy_is_made_once_by_whoever_wants_it_first_and_never_once_its_push_ended_without_it():
+    made = []
+
+    def layers():
+        made.append("copied")
+        yield "k", np.zeros(2)
+
+    by_step = CopyOut(layers())
+    by_step.ensure()  # a step wants the pages read: it makes the copy
+    assert [name for name, _ in by_step.tensors()] == ["k"] and made == ["copied"]  # the push takes what it made
+    by_push = CopyOut(layers())
+    assert [name for name, _ in by_push.tensors()] == ["k"] and by_push.copied.is_set()
+    by_push.ensure()  # made already: nothing made again
+    assert made == ["copied", "copied"]
+    never = CopyOut(layers())
+    never.push_ended()  # the push ended before anybody began the copy: nothing reads the pages
+    assert never.copied.is_set()
+    never.ensure()
+    assert made == ["copied", "copied"]
 
 
 def test_each_load_is_reported_once_with_its_failure():

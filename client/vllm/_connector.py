@@ -79,8 +79,9 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: HandoffConnectorMetadata) -> None:
-        """Before the step's forward pass (vLLM calls it first, on every worker): pages vLLM freed are no longer read
-        by a copy still under way, before the forward may write them."""
+        """Before the step's forward pass, on every worker: pages vLLM freed are no longer read by a copy still under
+        way, before the forward may write them (vLLM's V1 runner calls this before anything writes them; under its V2
+        runner the copy has ended within its own step: _worker.reuses_pages_before_preemptions)."""
         self.worker.wait_for_copies(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -2,21 +2,24 @@
 its pages, a consumer's load from its start to its report. The background threads that copy, push and pull tell it;
 vLLM's step asks it (`get_finished`, `handle_preemptions`) through the worker half (_worker.py).
 
-A push: saved (its pages being copied out) -> copied (no copy reads its pages any more) -> ended (committed or
-failed). vLLM may finish the request at any point of that; its pages are released once both have happened, exactly
-once. A load: under way -> ended, loaded or failed -> reported to vLLM, exactly once.
+A push: saved, then copied (no copy reads its pages any more: _copy_out.py) and ended (committed or failed), in
+either order (a step may have made the copy before the push began; a push may fail while a step makes it). vLLM may finish the request at any point; its pages are released
+once all three have happened, exactly once. A load: under way -> ended, loaded or failed -> reported to vLLM, exactly
+once.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from ._copy_out import CopyOut
 
 
 @dataclass
 class _Push:
-    copied: threading.Event = field(default_factory=threading.Event)  # set once no copy reads the pages
+    copy: CopyOut  # its `copied` set once no copy reads the pages
     ended: bool = False  # the push ended, committed or failed
     finished: bool = False  # vLLM finished the request: its pages wait for the push
 
@@ -33,34 +36,33 @@ class Transfers:
 
     # -- pushes -------------------------------------------------------------------------------------------------------
 
-    def push_saved(self, request_id: str) -> threading.Event:
-        """A push begins: the event its copy sets once no copy reads the request's pages any more."""
+    def push_saved(self, request_id: str, copy: CopyOut) -> None:
+        """A push begins, of `copy` (the request's copy out of its pages)."""
         with self._lock:
-            push = self._pushes[request_id] = _Push()
-        return push.copied
+            if request_id in self._pushes:
+                raise ValueError(f"request {request_id} is saved a second time while its first push is under way")
+            self._pushes[request_id] = _Push(copy)
 
     def push_ended(self, request_id: str) -> None:
-        """The push ended (committed or failed): no copy reads the pages, and they may be released."""
+        """The push ended (committed or failed)."""
         with self._lock:
-            push = self._pushes[request_id]
-            push.copied.set()
-            push.ended = True
+            self._pushes[request_id].ended = True
 
-    def copies_reading(self, request_ids: Iterable[str] | None = None) -> list[threading.Event]:
-        """The copied events of the pushes of `request_ids` (None: of every push not yet released)."""
+    def copies(self, request_ids: Iterable[str] | None = None) -> list[CopyOut]:
+        """The copies of the pushes of `request_ids` (None: of every push not yet released)."""
         with self._lock:
             if request_ids is None:
-                return [push.copied for push in self._pushes.values()]
-            return [self._pushes[r].copied for r in request_ids if r in self._pushes]
+                return [push.copy for push in self._pushes.values()]
+            return [self._pushes[r].copy for r in request_ids if r in self._pushes]
 
     def release(self, finished: Iterable[str]) -> set[str]:
         """vLLM finished `finished` (of which the pushes are noted): the requests whose pages are released now, each
-        once, those both finished and pushed."""
+        once, those finished, copied and pushed."""
         with self._lock:
             for request_id in finished:
                 if request_id in self._pushes:
                     self._pushes[request_id].finished = True
-            released = {r for r, push in self._pushes.items() if push.finished and push.ended}
+            released = {r for r, p in self._pushes.items() if p.finished and p.ended and p.copy.copied.is_set()}
             for request_id in released:
                 del self._pushes[request_id]
         return released

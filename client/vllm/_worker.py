@@ -8,19 +8,21 @@ serving another contract is refused, naming both fingerprints).
 
 Producer: nothing runs on the forward pass. `wait_for_save`, at the end of the step that computed a prompt's last
 token, hands the request to a background sender, which copies each layer's keys and values for the prompt's rows out
-of the pages into the contract's layout (after the step's kernels, on a stream of its own on a GPU) and pushes them.
-It pushes each layer as soon as it is copied, the push taking the copy as tensors still being made
-(handoff_client._produced), which runs on a thread of its own, ahead of the sending: the broker, and a decoder
-already pulling, have the first layers while the last are copied (the decoder's pages 1.15-1.5x sooner than copying
-the whole prompt first, on CPU: docs/performance.md), and a step that must wait for the copy (below) waits for the
-copy alone, not for the push as well. `push-while-copying: false` copies the whole prompt first.
-The scheduler half holds the request's pages (`request_finished` returns True) until the push has ended, committed
-or failed; then `get_finished` releases them (finished sending), and vLLM, which steps while it holds a finished
+of the pages into the contract's layout (after the step's kernels, on a stream of its own on a GPU) and pushes them,
+each layer as soon as it is copied, the push taking the copy as tensors still being made (handoff_client._produced):
+the broker, and a decoder already pulling, have the first layers while the last are copied (the decoder's pages
+1.15-1.5x sooner than copying the whole prompt first, on CPU: docs/performance.md). `push-while-copying: false`
+copies the whole prompt first. The copy is made once, by whoever needs it first (_copy_out.py): a step that must have
+the pages read before vLLM writes them again (below) makes it itself if no sender has begun it, so it waits for the
+copy alone, never for a sender to come free nor for the broker.
+The scheduler half holds the request's pages (`request_finished` returns True) until the copy and the push have
+ended; then `get_finished` releases them (finished sending), and vLLM, which steps while it holds a finished
 request's pages, sees the push's stats at once. A preempted request's pages are freed by vLLM itself, so the next
-step waits for any copy still reading them before its forward pass may write them (`wait_for_copies`, from vLLM's
-`handle_preemptions`, which it calls before the forward). A push that fails is logged with its reason and counted,
-and the hand-off is cancelled at the broker, every rank's part: a decoder waiting for it hears at once and
-recomputes, rather than waiting its timeout for a part that will not come.
+step has their copy made before its forward pass may write them (`wait_for_copies`, from vLLM's
+`handle_preemptions`, which its V1 runner calls before anything writes them; its V2 runner writes reallocated pages
+before that call, so there every copy is made within its own step: `reuses_pages_before_preemptions`). A push that
+fails is logged with its reason and counted, and the hand-off is cancelled at the broker, every rank's part: a
+decoder waiting for it hears at once and recomputes, rather than waiting its timeout for a part that will not come.
 
 Tensor-parallel engines (_tp.py): each rank pushes its own part, `shard=(rank, tp)` (an empty one where it holds
 nothing of its own), and pulls `shard=(rank, tp)`; at start-up the KV heads vLLM gives the rank are checked against
@@ -58,6 +60,7 @@ from handoff_client.protocol.contract import Contract
 from handoff_client.protocol.errors import FingerprintMismatch
 from handoff_client.protocol.shards import Shard
 
+from ._copy_out import CopyOut
 from ._groups import GroupMap, Kind, group_map
 from ._layouts import Geometry, PageLayout, layout_for
 from ._mla_pages import LatentMover, latent_mover
@@ -79,6 +82,14 @@ arriving meanwhile waits at most this long to be scheduled."""
 
 CANCEL_SECONDS = 5.0
 """The longest a failed push's cancel may take (the sender's thread is busy meanwhile)."""
+
+
+def reuses_pages_before_preemptions(vllm_config: Any) -> bool:
+    """Whether vLLM's model runner writes pages a step hands out again (zeroing new blocks, prefix-cache copy-on-write)
+    before it calls `handle_preemptions`: its V2 runner does (`gpu/model_runner.py` execute_model: update_requests,
+    then pre_forward), so there a saved request's copy must end within its own step; V1, which vLLM's CPU build runs,
+    calls it first (`gpu_model_runner.py`)."""
+    return bool(vllm_config.use_v2_model_runner)
 
 
 class WorkerHalf:
@@ -104,6 +115,8 @@ class WorkerHalf:
         self._sending: set[Future] = set()
         self._receivers = ThreadPoolExecutor(4, thread_name_prefix="handoff-pull")
         self.transfers = Transfers()  # each request's push and load
+        # whether a saved request's copy is made within its step (wait_for_save) rather than by its push
+        self.copy_within_step = False
         self._stats_lock = threading.Lock()
         self.stats = HandoffConnectorStats()
 
@@ -115,6 +128,7 @@ class WorkerHalf:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
         self.shard = tp_shard()
+        self.copy_within_step = reuses_pages_before_preemptions(self.vllm_config)
         check_kv_heads(self.vllm_config, self.contract, self.shard)
         holds, self.pushed = rank_contracts(self.contract, self.shard)
         self.groups = group_map(self.kv_cache_config, holds, layer_windows(self.vllm_config))
@@ -148,6 +162,7 @@ class WorkerHalf:
         self.layer_of = self.groups.layer_of
         kinds = sorted({plan.kind.value for plan in self.groups.layers.values()})
         pushing = "sends each layer as it is copied" if self.settings.push_while_copying else "copies every layer first"
+        pushing += ", copied within the step (vLLM's V2 model runner)" if self.copy_within_step else ""
         logger.info("handoff connector: %d layers (%s) in %d KV-cache groups, %s pages, TP %s, model %s at %s; "
                     "a push %s", len(kv_caches), ", ".join(kinds), self.groups.groups,
                     ", ".join(sorted(backends)) or "state", self.shard, self.contract.model, self.settings.target,
@@ -200,65 +215,75 @@ class WorkerHalf:
             written = torch.cuda.Event()
             written.record()
         for save in metadata.saves:
-            copied = self.transfers.push_saved(save.request_id)
-            sending = self._senders.submit(self._copy_and_push, save, written, copied)
+            copy = CopyOut(self._copied_out(save, written))
+            self.transfers.push_saved(save.request_id, copy)
+            if self.copy_within_step:  # vLLM's V2 runner may write freed pages before handle_preemptions: copy now
+                copy.ensure()
+            try:
+                sending = self._senders.submit(self._push_and_end, save, copy)
+            except BaseException:
+                copy.push_ended()
+                self.transfers.push_ended(save.request_id)
+                raise
             self._sending.add(sending)
             sending.add_done_callback(self._sending.discard)
 
-    def _copy_and_push(self, save: SaveSpec, written: torch.cuda.Event | None, copied: threading.Event) -> None:
+    def _push_and_end(self, save: SaveSpec, copy: CopyOut) -> None:
+        pushed = False
         try:
-            self._push(save, written, copied)
+            pushed = self._push(save, copy)
         finally:
-            self.transfers.push_ended(save.request_id)
+            copy.push_ended()
+            self.transfers.push_ended(save.request_id)  # (its pages may go once copied: before any cancel below)
+        if not pushed:
+            self._give_up(save)
 
-    def _push(self, save: SaveSpec, written: torch.cuda.Event | None, copied: threading.Event) -> None:
+    def _push(self, save: SaveSpec, copy: CopyOut) -> bool:
+        """Push the request's copy; whether it was pushed (a failure is logged and counted)."""
         started = time.perf_counter()
         try:
             placed = {"broker": save.broker} if save.broker else {}  # (a fleet: where the ticket says it goes)
-            tensors = self._copied_out(save, written, copied)
+            tensors = copy.tensors()
             if not self.settings.push_while_copying:  # the whole copy first (the module's docstring)
                 tensors = dict(tensors)
             result = self.client.push(self.contract.model, save.handoff_id, save.rows, tensors,
                                       ttl=self.settings.ttl or None, shard=self._part(), **placed)  # fmt: skip
         except HandoffError as e:
             logger.warning("hand-off %s was not pushed: %s %s", save.handoff_id, e.reason, e.message)
-            return self._give_up(save)
+            return False
         except Exception:  # a worker thread must not die silently; the pages are released all the same
             logger.exception("hand-off %s was not pushed", save.handoff_id)
-            return self._give_up(save)
+            return False
         with self._stats_lock:
             self.stats.record_push(result.bytes, time.perf_counter() - started)
+        return True
 
     def _give_up(self, save: SaveSpec) -> None:
         """A push that failed: counted, and the hand-off cancelled at the broker (every rank's part, and a tombstone
-        where nothing of it arrived), so the decoder's pull fails at once and vLLM recomputes the prompt there.
-        Best effort, and bounded: a broker that cannot be reached has nothing a decoder could pull either."""
+        where nothing of it arrived; in a fleet, at the broker the push was placed on), so the decoder's pull fails
+        at once and vLLM recomputes the prompt there. Best effort, and bounded: a broker that cannot be reached has
+        nothing a decoder could pull either. (A push whose commit went through but whose answer was lost is
+        cancelled too: its decoder recomputes, which is never wrong.)"""
         self._record_failure(pushing=True)
+        placed = {"broker": save.broker} if save.broker else {}
         try:
-            self.client.cancel(self.contract.model, save.handoff_id, timeout=min(self.settings.timeout, CANCEL_SECONDS))
+            timeout = min(self.settings.timeout, CANCEL_SECONDS)
+            self.client.cancel(self.contract.model, save.handoff_id, timeout=timeout, **placed)
         except HandoffError as e:
             logger.debug("hand-off %s not cancelled after its failed push: %s %s", save.handoff_id, e.reason, e.message)
 
-    def _copied_out(
-        self, save: SaveSpec, written: torch.cuda.Event | None, copied: threading.Event
-    ) -> Iterator[tuple[str, np.ndarray]]:
+    def _copied_out(self, save: SaveSpec, written: torch.cuda.Event | None) -> Iterator[tuple[str, np.ndarray]]:
         """This rank's part of every layer's tensors after the prompt's rows, copied out of the pages layer by layer
         in the contract's layout (its heads' columns; at TP 1 the whole: attention rows, a window's ring, a state
-        block), each yielded as soon as its layer is copied. `copied` is set once no copy reads the pages any more:
-        the last layer copied, or the push ended first (the push stops its iterable, which ends here)."""
-        try:
-            for layer_name, mover in self.movers.items():
-                plan = mover.plan
-                if not any(t.name in self.pushed for t in plan.tensors):
-                    continue  # its heads are pushed by a lower rank holding them too
-                with self._on_own_stream(after=written):
-                    gathered = mover.gather(self.pages[layer_name], save.block_ids[plan.group], save.rows)
-                    arrays = [
-                        (name, to_numpy(tensor.cpu())) for name, tensor in gathered.items() if name in self.pushed
-                    ]
-                yield from arrays
-        finally:
-            copied.set()
+        block), each yielded as soon as its layer is copied (run by a copier thread: _copy_out.py)."""
+        for layer_name, mover in self.movers.items():
+            plan = mover.plan
+            if not any(t.name in self.pushed for t in plan.tensors):
+                continue  # its heads are pushed by a lower rank holding them too
+            with self._on_own_stream(after=written):
+                gathered = mover.gather(self.pages[layer_name], save.block_ids[plan.group], save.rows)
+                arrays = [(name, to_numpy(tensor.cpu())) for name, tensor in gathered.items() if name in self.pushed]
+            yield from arrays
 
     def _record_failure(self, pushing: bool) -> None:
         with self._stats_lock:
@@ -271,8 +296,8 @@ class WorkerHalf:
         from `start_load_kv`, which vLLM calls after the forward when a step's loads are asynchronous, as all of
         this connector's are."""
         windows = self.groups is not None and self.groups.has_windows
-        for copied in self.transfers.copies_reading(None if windows else metadata.preempted):
-            copied.wait()
+        for copy in self.transfers.copies(None if windows else metadata.preempted):
+            copy.ensure()  # (made here if no sender has begun it: never waits for a sender or the broker)
 
     # -- consumer -----------------------------------------------------------------------------------------------------
 
@@ -325,10 +350,10 @@ class WorkerHalf:
         end, rather than have vLLM step again at once."""
         if idle:
             self.transfers.wait_for_a_load(IDLE_WAIT_SECONDS)
-        if self.transfers.loading or self._sending:  # vLLM steps in a tight loop while a transfer is under way: let
-            time.sleep(
-                0
-            )  # our threads have the GIL now, not at the next 5 ms switch (pulls 3x sooner: vllm_engines.py)
+        if self.transfers.loading or self._sending:
+            # vLLM steps in a tight loop while a transfer is under way: let our threads have the GIL now, not at the
+            # next 5 ms switch (pulls 3x sooner: vllm_engines.py)
+            time.sleep(0)
         released = self.transfers.release(finished_req_ids)
         received, failed = self.transfers.take_ended_loads()
         return released, received, failed
