@@ -3,9 +3,9 @@ its pages, a consumer's load from its start to its report. The background thread
 vLLM's step asks it (`get_finished`, `handle_preemptions`) through the worker half (_worker.py).
 
 A push: saved, then copied (no copy reads its pages any more: _copy_out.py) and ended (committed or failed), in
-either order (a step may have made the copy before the push began; a push may fail while a step makes it). vLLM may finish the request at any point; its pages are released
-once all three have happened, exactly once. A load: under way -> ended, loaded or failed -> reported to vLLM, exactly
-once.
+either order (a step may have made the copy before the push began; a push may fail while a step makes it). vLLM may
+finish the request at any point; its pages are released once all three have happened, exactly once. A load: under
+way -> ended, loaded or failed -> reported to vLLM, exactly once.
 """
 
 from __future__ import annotations
