@@ -23,9 +23,9 @@ def saved(transfers: Transfers, request_id: str) -> CopyOut:
 
 def test_a_push_s_pages_are_released_once_vllm_finished_it_and_its_copy_and_push_ended_in_any_order():
     transfers = Transfers()
-    copies = {r: saved(transfers, r) for r in ("finished-first", "ended-first", "failed-while-copying")}
-    for request_id in ("finished-first", "ended-first"):
-        copies[request_id].ensure()  # (their copies made)
+    copies = {r: saved(transfers, r) for r in ("finished-first", "ended-first")}
+    for copy in copies.values():
+        copy.ensure()  # (their copies made)
     assert transfers.release({"finished-first"}) == set()  # its push still under way: the pages wait
     transfers.push_ended("ended-first")
     assert transfers.release(set()) == set()  # vLLM has not finished it: nothing to release yet
@@ -33,18 +33,33 @@ def test_a_push_s_pages_are_released_once_vllm_finished_it_and_its_copy_and_push
     assert transfers.release(set()) == {"finished-first"}  # (vLLM told once; remembered)
     assert transfers.release({"ended-first"}) == {"ended-first"}
     assert transfers.release({"finished-first", "ended-first"}) == set()  # each released once
-    transfers.push_ended("failed-while-copying")  # a push that failed while a step still makes its copy
-    assert transfers.release({"failed-while-copying"}) == set()
-    copies["failed-while-copying"].ensure()
+
+    reading = threading.Event()
+    go_on = threading.Event()
+
+    def slow_layers():
+        reading.set()
+        go_on.wait()
+        yield "k", np.zeros(2)
+
+    slow = CopyOut(slow_layers())
+    transfers.push_saved("failed-while-copying", slow)
+    step = threading.Thread(target=slow.ensure)  # a step makes its copy...
+    step.start()
+    assert reading.wait(30)
+    transfers.push_ended("failed-while-copying")  # ...while its push fails
+    assert transfers.release({"failed-while-copying"}) == set()  # the copy still reads the pages
+    go_on.set()
+    step.join(30)
     assert transfers.release(set()) == {"failed-while-copying"}
 
 
 def test_only_requests_being_pushed_are_remembered_as_finished_and_none_is_saved_twice_at_once():
     transfers = Transfers()
     assert transfers.release({"never-saved"}) == set()
-    saved(transfers, "never-saved").push_ended()  # (a later request under the same id; its copy never made)
-    transfers.push_ended("never-saved")
-    assert transfers.release(set()) == set()
+    never = saved(transfers, "never-saved")  # (a later request under the same id)
+    transfers.push_ended("never-saved")  # its push ended before anybody began its copy: it will never be made
+    assert never.copied.is_set() and transfers.release(set()) == set()
     with pytest.raises(ValueError, match="saved a second time while its first push is under way"):
         saved(transfers, "never-saved")
 

@@ -44,9 +44,11 @@ class Transfers:
             self._pushes[request_id] = _Push(copy)
 
     def push_ended(self, request_id: str) -> None:
-        """The push ended (committed or failed)."""
+        """The push ended (committed or failed): its copy, if nobody began it, will never be made."""
         with self._lock:
-            self._pushes[request_id].ended = True
+            push = self._pushes[request_id]
+            push.ended = True
+            push.copy.push_ended()
 
     def copies(self, request_ids: Iterable[str] | None = None) -> list[CopyOut]:
         """The copies of the pushes of `request_ids` (None: of every push not yet released)."""

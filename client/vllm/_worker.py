@@ -222,7 +222,6 @@ class WorkerHalf:
             try:
                 sending = self._senders.submit(self._push_and_end, save, copy)
             except BaseException:
-                copy.push_ended()
                 self.transfers.push_ended(save.request_id)
                 raise
             self._sending.add(sending)
@@ -233,7 +232,6 @@ class WorkerHalf:
         try:
             pushed = self._push(save, copy)
         finally:
-            copy.push_ended()
             self.transfers.push_ended(save.request_id)  # (its pages may go once copied: before any cancel below)
         if not pushed:
             self._give_up(save)
@@ -275,7 +273,7 @@ class WorkerHalf:
     def _copied_out(self, save: SaveSpec, written: torch.cuda.Event | None) -> Iterator[tuple[str, np.ndarray]]:
         """This rank's part of every layer's tensors after the prompt's rows, copied out of the pages layer by layer
         in the contract's layout (its heads' columns; at TP 1 the whole: attention rows, a window's ring, a state
-        block), each yielded as soon as its layer is copied (run by a copier thread: _copy_out.py)."""
+        block), each yielded as soon as its layer is copied (run once, by its push or by a step: _copy_out.py)."""
         for layer_name, mover in self.movers.items():
             plan = mover.plan
             if not any(t.name in self.pushed for t in plan.tensors):
