@@ -291,7 +291,7 @@ class _Version(argparse.Action):
 
 
 def version_line() -> str:
-    """This release, and what it runs on: `0.1.0 (Python 3.11.9, grpcio 1.76.0)`."""
+    """This release, and what it runs on: `0.2.0 (Python 3.11.9, grpcio 1.76.0)`."""
     import platform
 
     from handoff_client import __version__

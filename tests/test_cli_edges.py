@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from conftest import MANIFESTS
 from handoff_broker.cli import build_parser, main
 
 COMMAND = [sys.executable, "-m", "handoff_broker"]
+VERSION = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["version"]
 
 
 def refusal(capsys, *argv: str) -> str:
@@ -196,7 +198,7 @@ def test_version_on_the_command_line_and_in_the_client():
     done = subprocess.run([*COMMAND, "--version"], check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     assert done.stdout.startswith(f"handoff-broker {handoff_client.__version__} (Python ")
-    assert handoff_client.__version__ == "0.1.0"  # the installed package's metadata, as pyproject states it
+    assert handoff_client.__version__ == VERSION  # the installed package's metadata, as pyproject states it
 
 
 def test_every_command_says_what_it_does_and_every_option_has_help():
