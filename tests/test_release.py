@@ -53,7 +53,7 @@ def test_the_version_is_the_latest_release_or_a_development_version_after_it():
 def test_every_image_tag_is_the_version():
     tags = {}
     for name in IMAGE_FILES:
-        for tag in re.findall(r"\bhandoff-broker:([A-Za-z0-9_.-]+)", (ROOT / name).read_text()):
+        for tag in re.findall(r"\bhandoff-broker:(\d[A-Za-z0-9_.-]*)", (ROOT / name).read_text()):
             tags.setdefault(tag.rstrip("."), []).append(name)
     assert set(tags) == {VERSION}, tags
     assert {"Dockerfile", "docker-compose.yml", "README.md", "deploy/kubernetes/broker.yaml"} <= set(tags[VERSION])
