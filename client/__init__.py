@@ -25,7 +25,7 @@ _HOMES: dict[str, str] = {
     "DEFAULT_TIMEOUT": "_client",
     "BrokerStatus": "_status",
     "__version__": "_version",
-    "HandoffClient": "_client",
+    "HandoffClient": "_handoff",
     "contract_from_config": "_architectures",
     "make_channel": "_calls",
     "PushResult": "_client",
@@ -34,7 +34,7 @@ _HOMES: dict[str, str] = {
     "Carried": "protocol.contract",
     "Contract": "protocol.contract",
     "Handoff": "protocol.contract",
-    "FleetClient": "_fleet",
+    "FleetClient": "fleet",
     "Shard": "protocol.shards",
     "ShardContract": "protocol.shards",
     "join_shards": "protocol.shards",
@@ -166,12 +166,13 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors
     from ._architectures import contract_from_config
     from ._calls import DEFAULT_RETRY, NO_RETRY, RetryPolicy, make_channel
-    from ._client import DEFAULT_TIMEOUT, HandoffClient, PushResult
-    from ._fleet import FleetClient
+    from ._client import DEFAULT_TIMEOUT, PushResult
+    from ._handoff import HandoffClient
     from ._pulls import PulledTensors
     from ._status import BrokerStatus
     from ._torch import from_numpy, to_numpy
     from ._version import __version__ as __version__
+    from .fleet import FleetClient
     from .memory import tune_allocator
     from .protocol.contract import Carried, Contract, Handoff
     from .protocol.dtypes import DTYPES

@@ -1,5 +1,5 @@
 """How the client makes its calls: the channel (plaintext or TLS), the message limits, and which failures are
-retried, and how (_client.py, _pulls.py and _fleet.py use these)."""
+retried, and how (_client.py, _pulls.py and fleet/ use these)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,6 @@ from ._calls import (
     retryable_pull,
     retryable_push,
 )
-from ._fleet import FleetClient, is_fleet, make_ticket, ticket_for
 from ._lane_choice import LaneOffers, connections_for
 from ._produced import CheckedState, is_produced, producing
 from ._pulls import PullAttempts, PulledTensors, destinations
@@ -49,6 +48,7 @@ from .protocol.lane import MAX_CONNECTIONS, new_capability
 from .protocol.limits import DEFAULT_CHUNK_BYTES
 from .protocol.messages import handoff_pb2 as pb
 from .protocol.shards import Shard, as_shard, view
+from .protocol.tickets import make_ticket, ticket_for
 from .protocol.wire import (
     contract_from_proto,
     decode_pull_response,
@@ -60,7 +60,7 @@ from .protocol.wire import (
 
 __all__ = [  # (the names other modules and tests import from here)
     "CHANNEL_OPTIONS", "DEFAULT_CHUNK_BYTES", "DEFAULT_RETRY", "DEFAULT_TIMEOUT", "MAX_MESSAGE_BYTES", "NO_RETRY",
-    "HandoffClient", "PushResult", "RetryPolicy", "make_channel", "retryable_pull", "retryable_push",
+    "BrokerClient", "PushResult", "RetryPolicy", "make_channel", "retryable_pull", "retryable_push",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -71,17 +71,12 @@ DEFAULT_TIMEOUT = 60.0
 T = TypeVar("T")
 
 
-class HandoffClient:
+class BrokerClient:
     """A connection to one broker. Thread-safe: one client may serve many concurrent pushes and pulls.
 
-    A target that names several brokers — `"host1:50051,host2:50051"` or `"dns:///brokers.ns.svc:50051"` — makes a
-    FleetClient instead (_fleet.py), with the same methods: worker code does not change between one broker and fifty.
+    Callers make one as `HandoffClient(target)` (handoff_client._handoff), which makes a FleetClient instead when the
+    target names several brokers; the fleet (handoff_client.fleet) makes one of these for each broker it uses.
     """
-
-    def __new__(cls, target: str, **options: object) -> HandoffClient:  # noqa: PYI034 - a FleetClient for a fleet
-        if cls is HandoffClient and is_fleet(target):
-            return FleetClient(target, **options)  # type: ignore[return-value]
-        return super().__new__(cls)
 
     def __init__(
         self,

@@ -35,7 +35,7 @@ from .protocol.spans import TensorSpans
 from .protocol.wire import shard_to_proto
 
 if TYPE_CHECKING:
-    from ._client import HandoffClient
+    from ._client import BrokerClient
 
 
 def destinations(contract: Contract, into: Mapping[str, np.ndarray] | None) -> list[np.ndarray] | None:
@@ -61,7 +61,7 @@ class PullAttempts:
 
     def __init__(
         self,
-        client: HandoffClient,
+        client: BrokerClient,
         model: str,
         handoff_id: str,
         shard: Shard,
@@ -110,7 +110,7 @@ class PulledTensors:
 
     def __init__(
         self,
-        client: HandoffClient,
+        client: BrokerClient,
         declared: Contract,
         shard: Shard,
         handoff_id: str,

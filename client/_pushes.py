@@ -22,7 +22,7 @@ from .protocol.shards import Shard
 from .protocol.wire import shard_to_proto
 
 if TYPE_CHECKING:
-    from ._client import HandoffClient
+    from ._client import BrokerClient
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class PushAttempts:
 
     def __init__(
         self,
-        client: HandoffClient,
+        client: BrokerClient,
         contract: Contract,
         handoff_id: str,
         handoff: Handoff,

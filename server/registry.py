@@ -1,5 +1,5 @@
 """A broker's membership in a fleet through etcd: registered under a prefix with a lease it keeps alive, revoked when
-it drains (as Dynamo and Mooncake register their workers). Clients list the prefix (handoff_client/_members.py).
+it drains (as Dynamo and Mooncake register their workers). Clients list the prefix (handoff_client/fleet/_members.py).
 
 Speaks etcd's documented HTTP/JSON gateway (v3 API) with the standard library, so the broker needs no etcd client
 package: lease/grant, kv/put with the lease, lease/keepalive every third of the TTL, lease/revoke.

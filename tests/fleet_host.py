@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 from handoff_client import BrokerUnavailable, HandoffClient, HandoffError
-from handoff_client._fleet import read_ticket, rendezvous
+from handoff_client.fleet import read_ticket, rendezvous
 
 MODEL = "demo-hybrid"
 POSITION = 4095  # every row filled: 4.3 MB, on the TCP lane

@@ -19,7 +19,7 @@ from handoff_client import (
     join_shards,
     shard_arrays,
 )
-from handoff_client._fleet import make_ticket, read_ticket, rendezvous
+from handoff_client.fleet import make_ticket, read_ticket, rendezvous
 from support import chunk_frames, header_frame, raw_push
 from test_claims import wait_until
 from test_tensor_parallel import MODELS as TP_MODELS

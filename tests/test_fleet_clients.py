@@ -1,5 +1,5 @@
 """The fleet client's pulls as a decoder streams them (`pull_tensors`, the vLLM connector's path) and its connections
-to each broker (client/_fleet_pulls.py, client/_fleet_clients.py), against real brokers on loopback.
+to each broker (client/fleet/_pulls.py, client/fleet/_clients.py), against real brokers on loopback.
 
 - `pull_tensors` over two brokers finds each hand-off where it is, by ticket or by rendezvous order, yields every
   tensor and confirms; a broker whose lane cannot be reached is pulled from on the stream within the same iteration;
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_same_bits, seeded_tensors
 from handoff_client import BrokerUnavailable, FleetClient, HandoffClient, MalformedRequest, WaitTimedOut
-from handoff_client._fleet import make_ticket, read_ticket, rendezvous
+from handoff_client.fleet import make_ticket, read_ticket, rendezvous
 from test_claims import wait_until
 from test_fleet_etcd import running_etcd
 
@@ -119,7 +119,7 @@ def connections_to(port: int) -> int:
 def test_a_broker_that_left_the_set_has_its_connection_closed_once_its_last_call_ends(
     tmp_path, start_broker, contracts, monkeypatch
 ):
-    import handoff_client._fleet as fleet_module
+    import handoff_client.fleet._client as fleet_module
 
     monkeypatch.setattr(fleet_module, "LEFT_RECENTLY", 0.5)  # (60 s in service: how long a pull may look there)
     tensors = seeded_tensors(contracts[MODEL])
@@ -162,7 +162,7 @@ def test_closing_the_fleet_client_under_a_pull_on_a_departed_broker_ends_that_pu
 ):
     """close() ends every call at once, a pull on a retired client (its broker left the set) too: that pull ends
     with its own error, not one from the bookkeeping of a client close() has already taken."""
-    import handoff_client._fleet as fleet_module
+    import handoff_client.fleet._client as fleet_module
     from handoff_client import HandoffError
 
     monkeypatch.setattr(fleet_module, "LEFT_RECENTLY", 0.5)

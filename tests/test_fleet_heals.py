@@ -7,9 +7,9 @@ with the fleet client over etcd. Skipped, saying why, without root, iproute2 or 
 
 The parts, each failing without its fix:
 1. A broker killed with SIGKILL: decoders hear BrokerUnavailable naming it within 1 s, with or without a ticket,
-   before and after it leaves the set (the ticket named a broker the client had seen; client/_fleet.py).
+   before and after it leaves the set (the ticket named a broker the client had seen; client/fleet/_client.py).
 2. Restarted on its address: the clients that knew it reach it, pushes and pulls alike, within 2 s of its
-   registration (reconnect backoff options, a new connection per new registration; client/_calls.py, _fleet.py),
+   registration (reconnect backoff options, a new connection per new registration; client/_calls.py, fleet/),
    and the pushes sent while it was gone went to the next broker on that broker's lane, with no lane-fallback
    warning (client/_pushes.py).
 3. Cut from etcd past its lease (its control link down): health said it was out of the fleet while it was, its
@@ -37,7 +37,7 @@ from conftest import assert_same_bits, seeded_tensors
 from handoff_broker.app import Broker as LoopbackBroker
 from handoff_broker.cli import main as cli
 from handoff_client import BrokerUnavailable, HandoffClient
-from handoff_client._fleet import read_ticket, rendezvous
+from handoff_client.fleet import read_ticket, rendezvous
 from test_fleet_etcd import running_etcd
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from handoff_client import MalformedRequest
-from handoff_client._fleet import make_ticket, read_ticket, rendezvous, ticket_for
+from handoff_client.fleet import make_ticket, read_ticket, rendezvous, ticket_for
 from handoff_client.protocol.etcd import b64, parse_etcd_url
 
 FLEET = (Path(__file__).resolve().parent.parent / "docs" / "fleet.md").read_text()

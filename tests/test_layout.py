@@ -1,7 +1,7 @@
 """The code's shape, as the robustness issue required: the broker's modules import one another without a cycle, and
-so do the client's, but for the one edge CLIENT_EDGES_LEFT names (lazy imports inside functions count; imports only
-for type checkers do not); and as the project asks of all its code, no module of the broker or the client is past 400
-lines."""
+so do the client's (lazy imports inside functions count; imports only for type checkers do not); the fleet depends on
+the one-broker client, never the reverse (type checkers' imports count there too); and as the project asks of all its
+code, no module of the broker or the client is past 400 lines."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "server"
 CLIENT = ROOT / "client"
 MAX_LINES = 400
-CLIENT_EDGES_LEFT = {("handoff_client._fleet", "handoff_client._client")}
-"""Imports the client's cycle check passes over, each a cycle still to break: FleetClient makes a HandoffClient for
-each broker (_fleet imports _client, lazily) and HandoffClient(target) makes a FleetClient for a fleet target (_client
-imports _fleet). To break it, _client would hand FleetClient what it needs (its default timeout and a way to make a
-client for one broker); the test fails once an edge here is gone, so that it is taken off."""
+FLEET = "handoff_client.fleet"
+ABOVE_THE_FLEET = {"handoff_client", "handoff_client._handoff"}
+"""The modules outside handoff_client.fleet that may import it: the package's names and HandoffClient(target), which
+makes a FleetClient for a fleet target (the vLLM connector, an adapter above both, is not checked here)."""
 
 
 def _modules(package: str, folder: Path) -> dict[str, Path]:
@@ -29,9 +28,9 @@ def _modules(package: str, folder: Path) -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+def _imports(name: str, path: Path, modules: dict[str, Path], typing: bool = False) -> set[str]:
     """The modules of `modules` that module `name` imports at run time (relative or absolute, anywhere but under
-    TYPE_CHECKING; `from . import x` names module x)."""
+    TYPE_CHECKING unless `typing`; `from . import x` names module x)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
@@ -41,7 +40,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         return module or None
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING" and not typing:
             return
         if isinstance(node, ast.ImportFrom):
             base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
@@ -66,14 +65,25 @@ def test_the_broker_modules_import_one_another_without_a_cycle():
 
 
 def test_the_client_modules_import_one_another_without_a_cycle():
-    """Every module of handoff_client, its protocol and vllm packages' included, but for CLIENT_EDGES_LEFT."""
+    """Every module of handoff_client, its protocol, fleet and vllm packages' included."""
     modules = _modules("handoff_client", CLIENT)
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert "handoff_client.vllm._pages" in graph["handoff_client.vllm._layouts"]  # (the graph sees the subpackage)
-    for module, imported in CLIENT_EDGES_LEFT:
-        assert imported in graph[module], f"{module} no longer imports {imported}: take it off CLIENT_EDGES_LEFT"
-        graph[module].discard(imported)
     _assert_acyclic(graph)
+
+
+def test_the_fleet_uses_the_one_broker_client_and_nothing_of_that_client_uses_the_fleet():
+    """handoff_client.fleet imports the one-broker client (_client.py); no module of the one-broker client or of
+    protocol/ imports the fleet, not even for type checking, so the folder shows which way the layers point."""
+    modules = _modules("handoff_client", CLIENT)
+    graph = {name: _imports(name, path, modules, typing=True) for name, path in modules.items()}
+    assert "handoff_client._client" in graph["handoff_client.fleet._client"]
+    reaching = sorted(
+        name for name, imported in graph.items()
+        if any(i == FLEET or i.startswith(FLEET + ".") for i in imported)
+        and not name.startswith((FLEET, "handoff_client.vllm")) and name not in ABOVE_THE_FLEET
+    )  # fmt: skip
+    assert reaching == []
 
 
 def _assert_acyclic(graph: dict[str, set[str]]) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from handoff_client import FleetClient, HandoffClient
-from handoff_client._fleet import rendezvous, ticket_for
+from handoff_client.fleet import rendezvous, ticket_for
 from handoff_client.protocol.errors import CapacityExhausted, MalformedRequest, MissingTensor, WrongLength
 from proxy import Proxy
 from support import broker_holds, raises_handoff_error

@@ -29,7 +29,7 @@ vllm = pytest.importorskip(
 
 from handoff_broker import BrokerConfig, build_server
 from handoff_client._architectures import contract_from_config
-from handoff_client._fleet import read_ticket
+from handoff_client.fleet import read_ticket
 from test_claims import wait_until
 
 pytestmark = pytest.mark.timeout(600)  # one engine start on a busy machine

@@ -21,8 +21,8 @@ import threading
 import time
 from urllib.parse import urlparse
 
-from .protocol.errors import BrokerUnavailable
-from .protocol.etcd import list_registrations
+from ..protocol.errors import BrokerUnavailable
+from ..protocol.etcd import list_registrations
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ What a broker's trouble costs (docs/scaling.md):
 - A broker that registers anew (restarted, or back after its etcd lease lapsed) gets a new connection from each
   client, so none waits out gRPC's reconnect backoff from its former life; and a broker out of the set for longer
   than LEFT_RECENTLY has its connection closed. Either way the former connection is closed once the last call
-  under way on it ends, never under it (_fleet_clients.py).
+  under way on it ends, never under it (_clients.py).
 - The vLLM connector places a hand-off before its push (`place`), names that broker in the ticket the router gets
   at once, and pushes there alone (`push(..., broker=)`): the ticket names the broker that holds the hand-off, or,
   when that push failed, one that does not, which a decoder hears at once (see `push`).
@@ -28,24 +28,22 @@ What a broker's trouble costs (docs/scaling.md):
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import json
 import logging
 from collections.abc import Callable
 from typing import Self, TypeVar
 
-from ._fleet_clients import BrokerClients
-from ._fleet_order import in_order, named, probe_then_wait
-from ._fleet_pulls import FleetPulledTensors, Route
+from .._client import DEFAULT_TIMEOUT, BrokerClient
+from .._produced import ProducedTensors, is_produced, producing
+from ..protocol.errors import BrokerUnavailable, HandoffError, MalformedRequest
+from ..protocol.tickets import ticket_for
+from ._clients import BrokerClients
 from ._members import LEFT_RECENTLY, BrokerSet
-from ._produced import ProducedTensors, is_produced, producing
-from .protocol.errors import BrokerUnavailable, HandoffError, MalformedRequest
+from ._order import in_order, named, probe_then_wait
+from ._pulls import FleetPulledTensors, Route
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
-
-TICKET_PREFIX = "hb1:"
 
 
 def is_fleet(target: str) -> bool:
@@ -57,33 +55,6 @@ def rendezvous(brokers: list[str], model: str, handoff_id: str) -> list[str]:
     """The brokers in the order this hand-off prefers them."""
     key = f"|{model}|{handoff_id}".encode()
     return sorted(brokers, key=lambda b: hashlib.sha256(b.encode() + key).digest(), reverse=True)
-
-
-def make_ticket(broker: str, model: str, handoff_id: str, fingerprint: str) -> str:
-    body = json.dumps({"b": broker, "m": model, "i": handoff_id, "f": fingerprint}, separators=(",", ":"))
-    return TICKET_PREFIX + base64.urlsafe_b64encode(body.encode()).decode().rstrip("=")
-
-
-def ticket_for(ticket: str, model: str, handoff_id: str) -> dict[str, str]:
-    """What a ticket names, refused unless it is this hand-off's."""
-    fields = read_ticket(ticket)
-    if (fields["m"], fields["i"]) != (model, handoff_id):
-        raise MalformedRequest(f"the ticket is for {fields['m']}/{fields['i']}, not {model}/{handoff_id}")
-    return fields
-
-
-def read_ticket(ticket: str) -> dict[str, str]:
-    """The broker, model, id and fingerprint a ticket names; MalformedRequest for anything else."""
-    try:
-        if not ticket.startswith(TICKET_PREFIX):
-            raise ValueError("no prefix")
-        raw = ticket[len(TICKET_PREFIX) :]
-        fields = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
-        if not all(isinstance(fields.get(k), str) for k in "bmif"):
-            raise ValueError("fields")
-        return fields
-    except (ValueError, UnicodeDecodeError):
-        raise MalformedRequest(f"`{ticket[:40]}` is not a hand-off ticket (a push returns one)") from None
 
 
 FLEET_CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (("grpc.use_local_subchannel_pool", 1),)
@@ -98,8 +69,6 @@ class FleetClient:
     of a DNS name's or an etcd prefix's brokers (5)."""
 
     def __init__(self, target: str, **options: object) -> None:
-        from ._client import DEFAULT_TIMEOUT
-
         self.target = target
         refresh = float(options.pop("refresh", 5.0))  # type: ignore[arg-type]
         self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))  # type: ignore[arg-type]
@@ -108,10 +77,8 @@ class FleetClient:
         self._options = options
         self._clients = BrokerClients(self._set, self._connect, LEFT_RECENTLY)
 
-    def _connect(self, broker: str):
-        from ._client import HandoffClient
-
-        return HandoffClient(broker, **self._options)
+    def _connect(self, broker: str) -> BrokerClient:
+        return BrokerClient(broker, **self._options)  # type: ignore[arg-type]
 
     def close(self) -> None:
         self._clients.close()

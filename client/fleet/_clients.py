@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._client import HandoffClient
+    from .._client import BrokerClient
     from ._members import BrokerSet
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class _Held:
 
     broker: str
     registration: str | None
-    client: HandoffClient
+    client: BrokerClient
     calls: int = 0
     retired: bool = False
 
@@ -47,7 +47,7 @@ class _Held:
 class BrokerClients:
     """Each broker's client, made and retired as described above. `make(broker)` makes a broker's client."""
 
-    def __init__(self, brokers: BrokerSet, make: Callable[[str], HandoffClient], keep_left: float) -> None:
+    def __init__(self, brokers: BrokerSet, make: Callable[[str], BrokerClient], keep_left: float) -> None:
         self._set = brokers
         self._make = make
         self._keep_left = keep_left
@@ -58,7 +58,7 @@ class BrokerClients:
         self._lock = threading.Lock()
 
     @contextmanager
-    def using(self, broker: str) -> Iterator[HandoffClient]:
+    def using(self, broker: str) -> Iterator[BrokerClient]:
         """The broker's client, held for the `with` block."""
         held = self._take(broker)
         try:

@@ -1,10 +1,10 @@
 """`pull_tensors` over a fleet: one pull's tensors, as each arrives whole, from the broker that holds the hand-off.
 
 The broker is the ticket's, when the ticket names a broker this client's set has held; else it is found as
-FleetClient.pull finds it (_fleet_order.py): a brief look at the first brokers in rendezvous order, then a wait at
-the first that answers. Either way the pull is that broker's `HandoffClient.pull_tensors` (_pulls.py): its chunks on
+FleetClient.pull finds it (_order.py): a brief look at the first brokers in rendezvous order, then a wait at
+the first that answers. Either way the pull is that broker's `HandoffClient.pull_tensors` (handoff_client/_pulls.py): its chunks on
 a lane or the stream, a lane that breaks starting over on the stream within the same call, every chunk checked, the
-claim confirmed only at the end. Errors name the broker. The broker's connection is held (_fleet_clients.py) until
+claim confirmed only at the end. Errors name the broker. The broker's connection is held (_clients.py) until
 the iteration ends, however it ends.
 """
 
@@ -15,13 +15,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._fleet_order import named, probe_then_wait
-from .protocol.errors import HandoffError
+from ..protocol.errors import HandoffError
+from ._order import named, probe_then_wait
 
 if TYPE_CHECKING:
-    from ._fleet_clients import BrokerClients
-    from ._pulls import PulledTensors
-    from .protocol.contract import Carried, Handoff
+    from .._pulls import PulledTensors
+    from ..protocol.contract import Carried, Handoff
+    from ._clients import BrokerClients
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""How a fleet call goes through a hand-off's brokers in order (rendezvous order, _fleet.py): `in_order` takes the
+"""How a fleet call goes through a hand-off's brokers in order (rendezvous order, _client.py): `in_order` takes the
 first that answers; `probe_then_wait` (a pull without a ticket, FleetClient.pull and FleetPulledTensors) asks the
 first few briefly, then waits at the first that answers, and reports at once a hand-off whose own broker cannot be
 reached and that the next brokers do not hold. Every error names the broker it came from (`named`).
@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from .protocol.errors import BrokerUnavailable, HandoffError, WaitTimedOut
+from ..protocol.errors import BrokerUnavailable, HandoffError, WaitTimedOut
 
 T = TypeVar("T")
 
