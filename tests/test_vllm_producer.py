@@ -169,3 +169,34 @@ def test_under_vllm_s_v2_runner_a_saved_request_is_copied_before_its_step_ends(s
     finally:
         busy.set()
         worker.shutdown()
+
+
+def test_a_request_saved_again_while_its_first_push_is_under_way_keeps_the_first_push_and_never_raises(served, caplog):
+    """A second save of a request whose push is still under way (a request resumed after a preemption, as vLLM's V2
+    model runner and vLLM 0.34 send it: the scheduler half no longer makes one, tests/test_vllm_resumed.py) is
+    logged and dropped; before, it raised inside vLLM's execute_model and the engine died."""
+    worker = producer(served.address, True)
+    busy = threading.Event()
+    for _ in range(4):
+        worker._senders.submit(busy.wait)  # (the first push waits for a sender: it is under way, not begun)
+    try:
+        save = SaveSpec("req", "req-h", BLOCK_IDS, ROWS)
+        worker.wait_for_save(HandoffConnectorMetadata(saves=[save]))
+        expected = rows_in_pages(worker)
+        for pages in worker.pages.values():
+            pages.neg_()  # vLLM wrote the pages again (a resumed request's recompute)
+        with caplog.at_level("WARNING", logger="handoff_client.vllm._worker"):
+            worker.wait_for_save(HandoffConnectorMetadata(saves=[save]))  # must not raise
+        assert "req-h: request req is saved again while its first push is under way" in caplog.text
+        for pages in worker.pages.values():
+            pages.neg_()
+        busy.set()
+        assert worker.flush(30)
+        with HandoffClient(served.address, timeout=30) as client:
+            pulled = client.pull(CONTRACT.model, "req-h").state
+        assert all(np.array_equal(pulled[name], rows) for name, rows in expected.items())
+        assert worker.get_finished({"req"}) == ({"req"}, set(), set())  # released once
+        assert not worker.take_stats().data.get("failed_pushes")  # (the second save is no failed push)
+    finally:
+        busy.set()
+        worker.shutdown()

@@ -8,6 +8,7 @@ proto/handoff/v1/handoff.proto, is its source of truth; docs/protocol.md and doc
     frames.py    chunk frames, CRC32C and the hand-off digest
     wire.py      RPC paths from the descriptor; proto <-> contract; stream messages decoded
     limits.py    the wire's sizes and the default port
+    prompts.py   the prompt digest every engine adapter computes (which prompt a hand-off belongs to)
     shards.py    tensor-parallel shards: which heads a rank holds
     lane.py      the lanes' wire: opening, frames, end marker (TCP, striped or not)
     seal.py      the sealed TCP lane of a TLS broker: HKDF keys, AES-256-GCM frames

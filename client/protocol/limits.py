@@ -13,3 +13,7 @@ machines (benchmarks/bench.py), 512 KiB to 2 MiB cost the least CPU: every copy 
 stays within a core's 2 MiB L2 cache, where 4 MiB frames spilled and cost ~15 % more CPU in all three processes;
 256 KiB paid more per message. Well under gRPC's default 4 MiB message limit, so a peer built from the .proto with
 default settings reads every frame."""
+
+MAX_HANDOFF_ID = 256
+"""The longest hand-off id, in characters (printable ones only): the broker refuses any other id with
+MALFORMED_REQUEST, and a client making ids (the vLLM connector) keeps within it."""

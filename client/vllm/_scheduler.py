@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from handoff_client.fleet import FleetClient, is_fleet, make_ticket
 from handoff_client.protocol.contract import Contract
 from handoff_client.protocol.errors import HandoffError
+from handoff_client.protocol.limits import MAX_HANDOFF_ID
+from handoff_client.protocol.prompts import prompt_digest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ._groups import BlockIds, GroupMap, extend, per_group
@@ -47,10 +47,31 @@ from ._stats import HandoffConnectorStats
 logger = logging.getLogger(__name__)
 
 
-def prompt_digest(token_ids: Sequence[int]) -> str:
-    """The hand-off's record of which prompt it belongs to: BLAKE2b-64 of the token ids as little-endian int64, in
-    hex. Equal token ids give equal digests on every host; any other prompt a different one (but for 2^-64)."""
-    return hashlib.blake2b(np.asarray(token_ids, dtype="<i8").tobytes(), digest_size=8).hexdigest()
+def request_digest(request: Any, position: int) -> str:
+    """The prompt digest (handoff_client.protocol.prompts.prompt_digest, the one every engine computes) of vLLM
+    request `request`'s first `position` prompt tokens, covering what vLLM's own prefix cache keys on besides them:
+    its multimodal items (`mm_features`: content hash and placeholder), its LoRA adapter's name, its `cache_salt`."""
+    features = getattr(request, "mm_features", None) or ()
+    lora = getattr(request, "lora_request", None)
+    return prompt_digest(
+        (request.prompt_token_ids or [])[:position],
+        multimodal=[(f.identifier, f.mm_position.offset, f.mm_position.length) for f in features],
+        adapter=lora.lora_name if lora is not None else None,
+        cache_salt=getattr(request, "cache_salt", None),
+    )
+
+
+def handoff_id_for(engine_id: str, request_id: str, digest: str) -> str:
+    """`{engine_id}-{request_id}-{digest}`: the engine id makes an engine's own request ids (an offline run numbers
+    them from 0) unique, and the digest ends it, so an id names one prompt's KV. Where that is more than the broker
+    takes (MAX_HANDOFF_ID printable characters: vLLM takes the request id from the client's `X-Request-Id`), the
+    engine and request ids are replaced by a BLAKE2b-128 of them, `h{32 hex}-{digest}`: still unique, still ending
+    with the digest, and pushable."""
+    whole = f"{engine_id}-{request_id}-{digest}"
+    if len(whole) <= MAX_HANDOFF_ID and whole.isprintable():
+        return whole
+    named = hashlib.blake2b(f"{engine_id}-{request_id}".encode("utf-8", "surrogatepass"), digest_size=16)
+    return f"h{named.hexdigest()}-{digest}"
 
 
 def _truthy(params: dict[str, Any], key: str) -> bool:
@@ -125,9 +146,8 @@ class SchedulerHalf:
             self._fleet.close()
 
     def handoff_id(self, request_id: str) -> str:
-        """Request ids are the engine's own (an offline run numbers them from 0): the engine id makes them unique,
-        and the prompt's digest ends it, so an id names one prompt's KV."""
-        return f"{self.engine_id}-{request_id}-{self._wanted[request_id]}"
+        """The hand-off id of a request to hand off (`handoff_id_for`)."""
+        return handoff_id_for(self.engine_id, request_id, self._wanted[request_id])
 
     def on_new_request(self, request: Any) -> None:
         """Producer: remember a request the router asked to hand off (`do_remote_decode`), with its prompt's digest."""
@@ -143,7 +163,7 @@ class SchedulerHalf:
             logger.info("request %s is not handed off: %s cannot stop one token short (the last-token rule of a "
                         "contract that cannot be rewound)", request.request_id, why)  # fmt: skip
             return
-        self._wanted[request.request_id] = prompt_digest(request.prompt_token_ids)
+        self._wanted[request.request_id] = request_digest(request, len(request.prompt_token_ids))
 
     def take_stats(self) -> HandoffConnectorStats | None:
         return self.stats.take()
@@ -191,7 +211,7 @@ class SchedulerHalf:
                                "request's prompt (a router that keeps every kv_transfer_params field passes it on); "
                                "said once", params.get("handoff_id"))  # fmt: skip
             return None
-        own = prompt_digest((request.prompt_token_ids or [])[:position])
+        own = request_digest(request, position)
         if digest != own:
             return (
                 f"prompt digest mismatch: the hand-off is of a prompt with digest {digest}, the request's first "
@@ -227,8 +247,11 @@ class SchedulerHalf:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id not in self._wanted:
-                continue  # not to be handed off: it runs untouched
+            if new.req_id not in self._wanted or new.req_id in self._saved:
+                # not to be handed off (it runs untouched), or saved already: a request resumed after a preemption
+                # comes among the new ones under vLLM's V2 model runner, and on vLLM 0.34 always; its hand-off
+                # holds its prompt, pushed once
+                continue
             self._blocks[new.req_id] = per_group(new.block_ids, self.groups.groups)
             self._prompt[new.req_id] = len(new.prompt_token_ids or [])
             self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -236,8 +259,10 @@ class SchedulerHalf:
         for i, request_id in enumerate(cached.req_ids):
             if request_id not in self._blocks:
                 continue
-            if request_id in cached.resumed_req_ids:  # (vLLM 0.32's field: one missing must fail, not extend)
-                # resumed after a preemption: its blocks were freed and these are all of its blocks now
+            if request_id in getattr(cached, "resumed_req_ids", ()):
+                # resumed after a preemption: its blocks were freed and these are all of its blocks now. (vLLM 0.34
+                # has no such field: it sends every resumed request among the new ones, with its whole block table;
+                # tests/test_vllm_next.py checks that of each release _compat admits.)
                 self._blocks[request_id] = per_group(cached.new_block_ids[i] or (), self.groups.groups)
             else:
                 self._blocks[request_id] = extend(self._blocks[request_id], cached.new_block_ids[i])

@@ -20,8 +20,8 @@ from ._copy_out import CopyOut
 @dataclass
 class _Push:
     copy: CopyOut  # its `copied` set once no copy reads the pages
-    ended: bool = False  # the push ended, committed or failed
     finished: bool = False  # vLLM finished the request: its pages wait for the push
+    ended: bool = False  # the push ended, committed or failed
 
 
 class Transfers:
@@ -31,17 +31,26 @@ class Transfers:
         self._lock = threading.Lock()
         self._load_ended = threading.Condition(self._lock)  # notified whenever a load ends
         self._pushes: dict[str, _Push] = {}  # until their pages are released
+        self._finished_unsaved: set[str] = set()  # the last release's finished ids without a push (push_saved)
         self._ended_loads: dict[str, bool] = {}  # request -> whether its load failed, until reported
         self._loading = 0  # loads under way
 
     # -- pushes -------------------------------------------------------------------------------------------------------
 
-    def push_saved(self, request_id: str, copy: CopyOut) -> None:
-        """A push begins, of `copy` (the request's copy out of its pages)."""
+    def push_saved(self, request_id: str, copy: CopyOut) -> bool:
+        """A push begins, of `copy` (the request's copy out of its pages): True. False, and nothing changes, if the
+        request's first push is still here (its pages not released): that push is the hand-off, and a second one
+        under its id would be refused by the broker or replace what a decoder may be pulling. Never raises: this
+        runs inside vLLM's execute_model, where an exception ends the engine with every request in flight.
+
+        vLLM may tell of the request's end before its save within one step (its V2 model runner calls
+        get_transfer_results before wait_for_save when it runs a speculator): the last `release` call's finished
+        ids that had no push are remembered, so such a push is finished from its start."""
         with self._lock:
             if request_id in self._pushes:
-                raise ValueError(f"request {request_id} is saved a second time while its first push is under way")
-            self._pushes[request_id] = _Push(copy)
+                return False
+            self._pushes[request_id] = _Push(copy, finished=request_id in self._finished_unsaved)
+            return True
 
     def push_ended(self, request_id: str) -> None:
         """The push ended (committed or failed): its copy, if nobody began it, will never be made."""
@@ -61,9 +70,12 @@ class Transfers:
         """vLLM finished `finished` (of which the pushes are noted): the requests whose pages are released now, each
         once, those finished, copied and pushed."""
         with self._lock:
+            self._finished_unsaved = set()
             for request_id in finished:
                 if request_id in self._pushes:
                     self._pushes[request_id].finished = True
+                else:
+                    self._finished_unsaved.add(request_id)
             released = {r for r, p in self._pushes.items() if p.finished and p.ended and p.copy.copied.is_set()}
             for request_id in released:
                 del self._pushes[request_id]

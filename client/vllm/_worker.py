@@ -216,7 +216,10 @@ class WorkerHalf:
             written.record()
         for save in metadata.saves:
             copy = CopyOut(self._copied_out(save, written))
-            self.transfers.push_saved(save.request_id, copy)
+            if not self.transfers.push_saved(save.request_id, copy):
+                logger.warning("hand-off %s: request %s is saved again while its first push is under way; the first "
+                               "push is kept and this save dropped", save.handoff_id, save.request_id)  # fmt: skip
+                continue
             if self.copy_within_step:  # vLLM's V2 runner may write freed pages before handle_preemptions: copy now
                 copy.ensure()
             try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from handoff_client.protocol.contract import Contract
+from handoff_client.protocol.limits import MAX_HANDOFF_ID  # noqa: F401 - the one rule, the client keeps to it too
 from handoff_client.protocol.spans import TensorSpans
 
 from .ledger import Reservation
@@ -30,7 +31,6 @@ HandoffKey = tuple[str, str]
 
 Interrupt = Callable[[], None]
 
-MAX_HANDOFF_ID = 256
 MAX_TOMBSTONES = 100_000
 FEED_BATCH = 256
 CHUNK_FLOOR = 4096
