@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from handoff_client._handoff_rules import window_rows
 from handoff_client.protocol.contract import Carried, Contract
 
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -75,8 +76,9 @@ class LayerPlan:
 
     def first_row(self, rows: int) -> int:
         """The first position of `rows` filled positions this layer carries: a window's ring keeps the last
-        ring_rows of them, every other layer all (a state layer has no positions: 0)."""
-        return max(0, rows - self.ring_rows) if self.kind is Kind.WINDOW else 0
+        ring_rows of them (handoff_client._handoff_rules.window_rows), every other layer all (a state layer has no
+        positions: 0)."""
+        return window_rows(rows, self.ring_rows)[0] if self.kind is Kind.WINDOW else 0
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ handed off run untouched. A request that cannot be truncated (a 1-token prompt, 
 skips reading cached tokens, e.g. prompt logprobs, which a decoder recomputes whole) is not handed off at all.
 
 Consumer: a hand-off at position N >= the prompt's N tokens under such a contract is refused (`load_refusal`):
-logged, counted, and vLLM computes the prompt itself. Never loaded and rerun.
+logged, counted, and vLLM computes the prompt itself. Never loaded and rerun. `stops_short` and `load_refusal` are
+the rule every engine adapter obeys, written once in handoff_client._handoff_rules; this module applies it to
+vLLM's requests and engine.
 
 Start-up (`check_engine`): what this connector cannot do exactly for such a contract is refused by name: speculative
 decoding (its drafts' state slots), `mamba_cache_mode` other than "none" (prefix caching of recurrent state, states
@@ -25,19 +27,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from handoff_client._handoff_rules import load_refusal, stops_short
 from handoff_client.protocol.contract import Contract
 
 from ._groups import GroupMap, Kind
+
+__all__ = ["TRUNCATED", "check_engine", "load_refusal", "stops_short", "truncate"]  # (the rules re-exported here)
 
 logger = logging.getLogger(__name__)
 
 TRUNCATED = "_handoff_truncated"
 """The `kv_transfer_params` key marking a request already cut short (a preempted request comes back: cut once)."""
-
-
-def stops_short(contract: Contract) -> bool:
-    """Whether the producer of `contract` hands off N-1 of a prompt's N tokens (the contract is not rewindable)."""
-    return not contract.rewindable
 
 
 def truncate(request: Any) -> str | None:
@@ -60,19 +60,6 @@ def truncate(request: Any) -> str | None:
     request.num_prompt_tokens -= 1
     request.max_tokens = 1
     params[TRUNCATED] = True
-    return None
-
-
-def load_refusal(contract: Contract, position: int, prompt_tokens: int) -> str | None:
-    """Consumer: why a hand-off at `position` must not be loaded into a request of `prompt_tokens` tokens under
-    `contract` by the last-token rule (None: it may)."""
-    if stops_short(contract) and position >= prompt_tokens:
-        return (
-            f"the hand-off holds the state after all {position} tokens of a {prompt_tokens}-token prompt, and vLLM "
-            f"computes the last prompt token again after a load; {contract.model}'s contract cannot be rewound "
-            "(recurrent state or a sliding window's ring), so its producer must stop one token short (the "
-            "last-token rule)"
-        )
     return None
 
 

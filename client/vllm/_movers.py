@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from handoff_client._handoff_rules import window_rows
 
 from ._groups import Kind, LayerPlan, check_rows_held, state_block
 from ._layouts import PageLayout
@@ -34,9 +35,9 @@ class AttentionMover:
         self.key, self.value = (t.name for t in plan.tensors)
 
     def _shift(self, rows: int) -> int:
-        """Ring order of a wrapped window: ring[(rows + i) mod R] = token rows - R + i, a roll by rows mod R."""
-        ring = self.plan.ring_rows
-        return rows % ring if self.plan.kind is Kind.WINDOW and rows > ring else 0
+        """Ring order of a wrapped window: ring[(rows + i) mod R] = token rows - R + i, a roll by rows mod R (the
+        window's rows, as every adapter reads them: handoff_client._handoff_rules.window_rows)."""
+        return window_rows(rows, self.plan.ring_rows)[1] if self.plan.kind is Kind.WINDOW else 0
 
     def gather(self, pages: torch.Tensor, blocks: Sequence[int], rows: int) -> dict[str, torch.Tensor]:
         first = self.plan.first_row(rows)

@@ -32,6 +32,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from handoff_client._handoff_rules import params_refusal, transfer_params
 from handoff_client.fleet import FleetClient, is_fleet, make_ticket
 from handoff_client.protocol.contract import Contract
 from handoff_client.protocol.errors import HandoffError
@@ -40,7 +41,7 @@ from handoff_client.protocol.prompts import prompt_digest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ._groups import BlockIds, GroupMap, extend, per_group
-from ._last_token import load_refusal, stops_short, truncate
+from ._last_token import stops_short, truncate
 from ._settings import ConnectorSettings
 from ._stats import HandoffConnectorStats
 
@@ -193,33 +194,14 @@ class SchedulerHalf:
         return count, True
 
     def _refusal(self, request: Any, params: dict[str, Any]) -> str | None:
-        """Why the hand-off named in `params` must not be loaded into `request` (None: it may)."""
-        position = params.get("position")
-        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
-            return f"kv_transfer_params position {position!r} is not a token count"
-        if position > request.num_prompt_tokens:
-            return (
-                f"the hand-off holds {position} tokens, more than the request's prompt of {request.num_prompt_tokens}"
-            )
-        if (why := load_refusal(self.contract, position, request.num_prompt_tokens)) is not None:
-            return why
-        digest = params.get("prompt_digest")
-        if digest is None:  # earlier routers' fields: nothing to check the prompt against, said once
-            if not self._warned_no_digest:
-                self._warned_no_digest = True
-                logger.warning("hand-off %s came without a prompt_digest: loaded without checking it is this "
-                               "request's prompt (a router that keeps every kv_transfer_params field passes it on); "
-                               "said once", params.get("handoff_id"))  # fmt: skip
-            return None
-        own = request_digest(request, position)
-        if digest != own:
-            return (
-                f"prompt digest mismatch: the hand-off is of a prompt with digest {digest}, the request's first "
-                f"{position} tokens have {own} (a router that swapped two requests' params, or a reused id)"
-            )
-        if not str(params["handoff_id"]).endswith(f"-{digest}"):
-            return f"the hand-off id does not end with its prompt digest {digest}"
-        return None
+        """Why the hand-off named in `params` must not be loaded into `request` (None: it may): the checks every
+        consumer makes (handoff_client._handoff_rules.params_refusal), with vLLM's request digest."""
+        if params.get("prompt_digest") is None and not self._warned_no_digest:  # earlier routers' fields: said once
+            self._warned_no_digest = True
+            logger.warning("hand-off %s came without a prompt_digest: loaded without checking it is this request's "
+                           "prompt (a router that keeps every kv_transfer_params field passes it on); said once",
+                           params.get("handoff_id"))  # fmt: skip
+        return params_refusal(self.contract, params, request.num_prompt_tokens, lambda n: request_digest(request, n))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or request.request_id in self._loaded:
@@ -302,12 +284,4 @@ class SchedulerHalf:
         digest = self._wanted.pop(request.request_id)
         model = self.contract.model
         ticket = make_ticket(broker or self.settings.target, model, handoff_id, self.contract.fingerprint)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "handoff_id": handoff_id,
-            "position": rows,
-            "model": model,
-            "ticket": ticket,
-            "prompt_digest": digest,
-        }  # pages held
+        return True, transfer_params(handoff_id, rows, model, ticket, digest)  # pages held
