@@ -30,13 +30,13 @@ the broker's rule. Every rank reports each request in `get_finished` (vLLM count
 rank has), and a rank whose pull fails reports the request as failed, which vLLM unites over the ranks: the
 request's prompt is recomputed on every rank, so a load is whole or not at all.
 
-Consumer: `start_load_kv` starts a background pull per request; each layer is written into the request's pages as
-soon as its key and value have arrived. When the pull ends — confirmed, or failed (broker gone, hand-off expired or
-cancelled, a checksum or digest failed, past `timeout`) — `get_transfer_results` reports the request (finished
-receiving), a failure also as failed (`failed_recving`), so vLLM recomputes the request's prompt (or fails the
-request, by its kv_load_failure_policy). Failures go by request, not by block: block ids are unique only within a
-KV-cache group, and vLLM takes block-level errors from no connector of a model with several groups. vLLM schedules
-the request only then: its loads are asynchronous, which vLLM does not combine with layer-by-layer loading
+Consumer: `start_load_kv` starts a background pull per request (PULL_THREADS, shared; PROBE_SECONDS); each layer is
+written into the request's pages as soon as its key and value have arrived. When the pull ends — confirmed, or failed
+(broker gone, hand-off expired or cancelled, a checksum or digest failed, past `timeout`) — `get_transfer_results`
+reports the request (finished receiving), a failure also as failed (`failed_recving`), so vLLM recomputes the request's
+prompt (or fails the request, by its kv_load_failure_policy). Failures go by request, not by block: block ids are unique
+only within a KV-cache group, and vLLM takes block-level errors from no connector of a model with several groups. vLLM
+schedules the request only then: its loads are asynchronous, which vLLM does not combine with layer-by-layer loading
 (`wait_for_layer_load` has nothing to wait for). Meanwhile vLLM steps without computing anything; in such a step
 `get_finished` waits (at most IDLE_WAIT_SECONDS) for a pull to end, so the empty steps do not keep the GIL from the
 pull's thread. Each request's push and load is tracked in _transfers.py.
@@ -57,7 +57,7 @@ import torch
 from handoff_client import HandoffClient, HandoffError
 from handoff_client._torch import from_numpy, to_numpy
 from handoff_client.protocol.contract import Contract
-from handoff_client.protocol.errors import FingerprintMismatch
+from handoff_client.protocol.errors import FingerprintMismatch, WaitTimedOut
 from handoff_client.protocol.shards import Shard
 
 from ._copy_out import CopyOut
@@ -82,6 +82,13 @@ arriving meanwhile waits at most this long to be scheduled."""
 
 CANCEL_SECONDS = 5.0
 """The longest a failed push's cancel may take (the sender's thread is busy meanwhile)."""
+
+PULL_THREADS = 4
+"""The threads pulling hand-offs into a decode instance's pages: all its loads share them, so they are bounded."""
+
+PROBE_SECONDS = 0.2
+"""How long a pull holds a thread waiting for its push to begin (`wait_for_push`) before it queues itself again, until
+its `timeout`: late hand-offs never hold a ready one back their whole timeout (four held one 5.97 s of 6 s)."""
 
 
 def reuses_pages_before_preemptions(vllm_config: Any) -> bool:
@@ -113,7 +120,7 @@ class WorkerHalf:
         self._stream: torch.cuda.Stream | None = None  # pages on a GPU: the stream the background copies run on
         self._senders = ThreadPoolExecutor(4, thread_name_prefix="handoff-push")
         self._sending: set[Future] = set()
-        self._receivers = ThreadPoolExecutor(4, thread_name_prefix="handoff-pull")
+        self._receivers = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="handoff-pull")
         self.transfers = Transfers()  # each request's push and load
         # whether a saved request's copy is made within its step (wait_for_save) rather than by its push
         self.copy_within_step = False
@@ -304,15 +311,19 @@ class WorkerHalf:
 
     def start_load_kv(self, metadata: HandoffConnectorMetadata) -> None:
         self.transfers.loads_started(len(metadata.loads))
+        deadline = time.monotonic() + self.settings.timeout
         for load in metadata.loads:
-            self._receivers.submit(self._pull, load)
+            self._receivers.submit(self._pull, load, deadline, time.perf_counter())
 
-    def _pull(self, load: LoadSpec) -> None:
-        started = time.perf_counter()
+    def _pull(self, load: LoadSpec, deadline: float, started: float) -> None:
+        """Pull `load`'s hand-off into its pages by `deadline` (monotonic): a push not begun within PROBE_SECONDS
+        lets the thread go, the pull queued again behind the loads waiting for a thread."""
         arrived: dict[str, np.ndarray] = {}
         try:
-            pulled = self.client.pull_tensors(self.contract.model, load.handoff_id, timeout=self.settings.timeout,
-                                              shard=self._part(), ticket=load.ticket)  # fmt: skip
+            remaining = max(deadline - time.monotonic(), 0.001)
+            pulled = self.client.pull_tensors(self.contract.model, load.handoff_id, timeout=remaining,
+                                              wait_for_push=min(PROBE_SECONDS, remaining), shard=self._part(),
+                                              ticket=load.ticket)  # fmt: skip
             with self._on_own_stream(), contextlib.closing(iter(pulled)) as arriving:
                 for carried, array in arriving:
                     if pulled.position != load.rows:  # (known from the header, before any tensor is written)
@@ -324,14 +335,29 @@ class WorkerHalf:
                 raise ValueError(f"the hand-off is at position {pulled.position}, the request's load expects "
                                  f"{load.rows} tokens: refused")  # fmt: skip
             nbytes = sum(a.nbytes for a in arrived.values())
+        except WaitTimedOut:  # (before any tensor came: nothing written)
+            if time.monotonic() + PROBE_SECONDS / 2 < deadline and self._pull_again(load, deadline, started):
+                return
+            self._load_failed(load, f"no push of it began within the timeout of {self.settings.timeout:g} s")
+            return
         except Exception as e:  # noqa: BLE001 - any failure at all: vLLM recomputes the blocks
             why = f"{e.reason} {e.message}" if isinstance(e, HandoffError) else repr(e)
-            logger.warning("hand-off %s was not loaded (%s): vLLM recomputes its blocks", load.handoff_id, why)
-            self._record_failure(pushing=False)
-            return self.transfers.load_ended(load.request_id, failed=True)
+            self._load_failed(load, why)
+            return
         with self._stats_lock:
             self.stats.record_pull(nbytes, time.perf_counter() - started)
         self.transfers.load_ended(load.request_id, failed=False)
+
+    def _pull_again(self, load: LoadSpec, deadline: float, started: float) -> bool:
+        """Queue `load`'s pull again (behind every load waiting for a thread); False once the pool is shut down."""
+        with contextlib.suppress(RuntimeError):  # (shutting down)
+            return self._receivers.submit(self._pull, load, deadline, started) is not None
+        return False
+
+    def _load_failed(self, load: LoadSpec, why: str) -> None:
+        logger.warning("hand-off %s was not loaded (%s): vLLM recomputes its blocks", load.handoff_id, why)
+        self._record_failure(pushing=False)
+        self.transfers.load_ended(load.request_id, failed=True)
 
     def _write_layer(self, load: LoadSpec, layer_name: str, arrived: dict[str, np.ndarray]) -> None:
         """Write the layer into the request's pages once all its tensors have arrived (each tensor arrives once, so
