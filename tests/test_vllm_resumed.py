@@ -24,9 +24,9 @@ HANDED = list(range(100, 140))  # 40 tokens, handed off
 LOADED = list(range(200, 233))  # 33 tokens, loaded from a hand-off of 32
 
 
-def loaded_params() -> dict:
-    digest = request_digest(request("x", LOADED, 1), 32)
-    return {"do_remote_prefill": True, "handoff_id": f"elsewhere-7-{digest}", "position": 32, "model": MODEL,
+def loaded_params(position: int = 32) -> dict:
+    digest = request_digest(request("x", LOADED, 1), position)
+    return {"do_remote_prefill": True, "handoff_id": f"elsewhere-7-{digest}", "position": position, "model": MODEL,
             "prompt_digest": digest}  # fmt: skip
 
 
@@ -53,3 +53,16 @@ def test_a_preempted_and_resumed_request_is_saved_once_and_loaded_once_into_its_
     assert resumed_as_new == ({"handed", "loaded"} if v2 else set())
     assert len(saves) == 1 and saves[0].endswith("-handed-" + request_digest(request("x", HANDED, 1), len(HANDED)))
     assert loads == [("loaded", 0, 32)]  # loaded once: a resumed request recomputes (its hand-off was taken)
+
+
+def test_a_loaded_request_s_fresh_blocks_are_zeroed_before_its_load_writes_them(tmp_path):
+    """A load writes only the hand-off's rows: the rest of its last block and the block after it kept a page's old
+    bytes, which vLLM zeroes where they would read back as NaN or Inf (Mamba and mixed-precision caches), but not in
+    a group the connector names as loaded, and it named every group. vLLM zeroes the blocks in the step that sends
+    the load, before start_load_kv; the load writes after."""
+    engine = scheduler(tmp_path, v2=False, blocks=10, zeroing=True)
+    engine.add_request(request("loaded", LOADED, 2, loaded_params(30)))
+    output = step(engine)
+    (load,) = output.kv_connector_metadata.loads
+    assert load.rows == 30 and len(load.block_ids[0]) == 2  # the second block's last 2 slots are not loaded
+    assert set(load.block_ids[0]) <= set(output.new_block_ids_to_zero or ())

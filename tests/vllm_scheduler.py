@@ -35,19 +35,22 @@ SAMPLED = 7  # the token every step samples
 
 
 @contextmanager
-def model_runner(v2: bool) -> Iterator[None]:
-    """vLLM reads `VllmConfig.use_v2_model_runner` (a property: V2 where Triton runs) as `v2` meanwhile."""
-    saved = VllmConfig.__dict__["use_v2_model_runner"]
-    type.__setattr__(VllmConfig, "use_v2_model_runner", property(lambda self: v2))
+def answering(cls: type, name: str, value: bool) -> Iterator[None]:
+    """vLLM reads property `name` of `cls` as `value` meanwhile (`VllmConfig.use_v2_model_runner`: V2 where Triton
+    runs; `KVCacheConfig.needs_kv_cache_zeroing`: with Mamba layers or mixed-precision caches)."""
+    saved = cls.__dict__[name]
+    type.__setattr__(cls, name, property(lambda self: value))
     try:
         yield
     finally:
-        type.__setattr__(VllmConfig, "use_v2_model_runner", saved)
+        type.__setattr__(cls, name, saved)
 
 
-def scheduler(folder: Path, *, v2: bool, blocks: int, block: int = 16, role: str = "kv_both") -> Scheduler:
+def scheduler(folder: Path, *, v2: bool, blocks: int, block: int = 16, role: str = "kv_both",
+              zeroing: bool = False) -> Scheduler:  # fmt: skip
     """vLLM's scheduler of a tiny Llama with `blocks` KV blocks of `block` tokens (the first is vLLM's null block),
-    its connector the handoff connector in `role`, built by vLLM as an engine builds it."""
+    its connector the handoff connector in `role`, built by vLLM as an engine builds it; `zeroing`: vLLM zeroes
+    fresh blocks before use, as it does for caches with Mamba layers or mixed precisions."""
     model_dir = folder / "model"
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(LLAMA))
@@ -67,7 +70,7 @@ def scheduler(folder: Path, *, v2: bool, blocks: int, block: int = 16, role: str
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LLAMA["num_hidden_layers"])]
     spec = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=64, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
-    with model_runner(v2):
+    with answering(VllmConfig, "use_v2_model_runner", v2), answering(KVCacheConfig, "needs_kv_cache_zeroing", zeroing):
         made = Scheduler(config, kv, StructuredOutputManager(config), block_size=block)
     assert made.use_v2_model_runner is v2
     return made

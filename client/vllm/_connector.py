@@ -69,9 +69,11 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.request_finished(request)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        """Every group a load writes (the request's own blocks, not a hash-addressed prefix store): vLLM zeroes the
-        fresh pages of any group not named."""
-        return self.groups.written_groups
+        """None: a load writes only the hand-off's rows, so the rest of its last block, and any block after it, would
+        keep whatever bytes a page held before (read back as NaN or Inf where vLLM zeroes: Mamba and mixed-precision
+        caches). vLLM zeroes the fresh blocks of every group not named in the step that sends the load, before
+        `start_load_kv` (either model runner), and the load writes after that (on a GPU, its stream waits for it)."""
+        return ()
 
     # -- worker side --------------------------------------------------------------------------------------------------
 

@@ -95,8 +95,9 @@ class GroupMap:
 
     @property
     def written_groups(self) -> tuple[int, ...]:
-        """The groups a load writes (every group holding a carried layer): what `get_loaded_kv_cache_group_ids`
-        names, since vLLM zeroes a fresh request's pages of every group not named."""
+        """The groups a load writes (every group holding a carried layer). Not named to vLLM as loaded: a load
+        writes only the hand-off's rows, so vLLM zeroes the fresh blocks first (HandoffConnector's
+        `get_loaded_kv_cache_group_ids`)."""
         return tuple(sorted({plan.group for plan in self.layers.values()}))
 
     @property

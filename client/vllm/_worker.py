@@ -83,8 +83,7 @@ arriving meanwhile waits at most this long to be scheduled."""
 CANCEL_SECONDS = 5.0
 """The longest a failed push's cancel may take (the sender's thread is busy meanwhile)."""
 
-PULL_THREADS = 4
-"""The threads pulling hand-offs into a decode instance's pages: all its loads share them, so they are bounded."""
+PULL_THREADS = 4  # the threads pulling hand-offs into a decode instance's pages, all its loads' (bounded)
 
 PROBE_SECONDS = 0.2
 """How long a pull holds a thread waiting for its push to begin (`wait_for_push`) before it queues itself again, until
@@ -217,10 +216,7 @@ class WorkerHalf:
     def wait_for_save(self, metadata: HandoffConnectorMetadata) -> None:
         if not metadata.saves:
             return
-        written = None
-        if self._stream is not None:  # the step's kernels may still be writing the pages: copy after them
-            written = torch.cuda.Event()
-            written.record()
+        written = self._step_event()  # the step's kernels may still be writing the pages: copy after them
         for save in metadata.saves:
             copy = CopyOut(self._copied_out(save, written))
             if not self.transfers.push_saved(save.request_id, copy):
@@ -312,10 +308,15 @@ class WorkerHalf:
     def start_load_kv(self, metadata: HandoffConnectorMetadata) -> None:
         self.transfers.loads_started(len(metadata.loads))
         deadline = time.monotonic() + self.settings.timeout
+        zeroed = self._step_event()  # GPU: vLLM zeroed the fresh pages in this step: the loads write after that
         for load in metadata.loads:
-            self._receivers.submit(self._pull, load, deadline, time.perf_counter())
+            self._receivers.submit(self._pull, load, deadline, time.perf_counter(), zeroed)
 
-    def _pull(self, load: LoadSpec, deadline: float, started: float) -> None:
+    def _step_event(self) -> torch.cuda.Event | None:
+        """GPU pages: an event after the step's kernels so far, for the connector's stream to wait on (CPU: None)."""
+        return torch.cuda.current_stream(self._stream.device).record_event() if self._stream is not None else None
+
+    def _pull(self, load: LoadSpec, deadline: float, started: float, zeroed: torch.cuda.Event | None) -> None:
         """Pull `load`'s hand-off into its pages by `deadline` (monotonic): a push not begun within PROBE_SECONDS
         lets the thread go, the pull queued again behind the loads waiting for a thread."""
         arrived: dict[str, np.ndarray] = {}
@@ -324,7 +325,7 @@ class WorkerHalf:
             pulled = self.client.pull_tensors(self.contract.model, load.handoff_id, timeout=remaining,
                                               wait_for_push=min(PROBE_SECONDS, remaining), shard=self._part(),
                                               ticket=load.ticket)  # fmt: skip
-            with self._on_own_stream(), contextlib.closing(iter(pulled)) as arriving:
+            with self._on_own_stream(after=zeroed), contextlib.closing(iter(pulled)) as arriving:
                 for carried, array in arriving:
                     if pulled.position != load.rows:  # (known from the header, before any tensor is written)
                         raise ValueError(f"the hand-off is at position {pulled.position}, the request's load expects "
@@ -336,22 +337,19 @@ class WorkerHalf:
                                  f"{load.rows} tokens: refused")  # fmt: skip
             nbytes = sum(a.nbytes for a in arrived.values())
         except WaitTimedOut:  # (before any tensor came: nothing written)
-            if time.monotonic() + PROBE_SECONDS / 2 < deadline and self._pull_again(load, deadline, started):
-                return
-            self._load_failed(load, f"no push of it began within the timeout of {self.settings.timeout:g} s")
+            if deadline - time.monotonic() < PROBE_SECONDS or not self._pull_again(load, deadline, started, zeroed):
+                self._load_failed(load, f"no push of it began within the timeout of {self.settings.timeout:g} s")
             return
         except Exception as e:  # noqa: BLE001 - any failure at all: vLLM recomputes the blocks
-            why = f"{e.reason} {e.message}" if isinstance(e, HandoffError) else repr(e)
-            self._load_failed(load, why)
-            return
+            return self._load_failed(load, f"{e.reason} {e.message}" if isinstance(e, HandoffError) else repr(e))
         with self._stats_lock:
             self.stats.record_pull(nbytes, time.perf_counter() - started)
         self.transfers.load_ended(load.request_id, failed=False)
 
-    def _pull_again(self, load: LoadSpec, deadline: float, started: float) -> bool:
+    def _pull_again(self, load: LoadSpec, *when: Any) -> bool:
         """Queue `load`'s pull again (behind every load waiting for a thread); False once the pool is shut down."""
         with contextlib.suppress(RuntimeError):  # (shutting down)
-            return self._receivers.submit(self._pull, load, deadline, started) is not None
+            return self._receivers.submit(self._pull, load, *when) is not None
         return False
 
     def _load_failed(self, load: LoadSpec, why: str) -> None:
