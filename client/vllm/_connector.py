@@ -68,6 +68,16 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         return self.scheduler.request_finished(request)
 
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34+ (`--max-num-inflight-kv-loads`): whether this request's load may be asynchronous."""
+        return self.scheduler.may_load_async(request)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+: no. Sleep mode remaps the KV cache under the page views the worker learned and verified at
+        start-up, so vLLM's own config check refuses `--enable-sleep-mode` with this connector, naming it."""
+        return False
+
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         """None: a load writes only the hand-off's rows, so the rest of its last block, and any block after it, would
         keep whatever bytes a page held before (read back as NaN or Inf where vLLM zeroes: Mamba and mixed-precision
