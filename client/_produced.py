@@ -106,6 +106,11 @@ class ProducedTensors:
                 raise self._error  # type: ignore[misc]
             raise MissingTensor(self.model, name)
 
+    def made(self) -> list[str]:
+        """The names made so far."""
+        with self._changed:
+            return list(self._arrays)
+
     def close(self) -> None:
         """Stop the iterable after the step in progress, wait for that step, and let the arrays go."""
         with self._changed:
@@ -118,17 +123,31 @@ class ProducedTensors:
 
 class CheckedState(Mapping[str, np.ndarray]):
     """`produced` as a push of `contract` (the pushing rank's view, at the hand-off's position) reads it: each
-    carried tensor's array, cut to its filled rows and checked as it is asked for. A hand-off's `state`."""
+    carried tensor's array, cut to its filled rows and checked as it is asked for. A hand-off's `state`. A name
+    made that the contract does not carry is refused (UnknownTensor) at the next tensor asked for, and before a
+    carried one is called missing, unless `drop_extra`."""
 
-    def __init__(self, produced: ProducedTensors, contract: Contract) -> None:
+    def __init__(self, produced: ProducedTensors, contract: Contract, *, drop_extra: bool = False) -> None:
         self.produced = produced
         self.contract = contract
+        self.drop_extra = drop_extra
 
     def __getitem__(self, name: str) -> np.ndarray:
         carried = self.contract.tensor(name)
-        array = filled_rows(carried, self.produced.get(name))
+        try:
+            made = self.produced.get(name)
+        except MissingTensor:
+            self._check_names()  # a misspelled name: the one made is named, not the one it stands for
+            raise
+        self._check_names()
+        array = filled_rows(carried, made)
         check_array(self.contract.model, carried, array)
         return array
+
+    def _check_names(self) -> None:
+        made = [] if self.drop_extra else self.produced.made()
+        for name in sorted(made):
+            self.contract.index(name, made)
 
     def __iter__(self) -> Iterator[str]:
         return (c.name for c in self.contract.carried)

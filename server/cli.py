@@ -19,10 +19,11 @@ from handoff_client.protocol.lane import (
 from handoff_client.protocol.limits import DEFAULT_PORT
 
 from . import commands
-from .flag_sources import EnvDefaults, apply_config_file, env_variable
+from .flag_sources import EnvDefaults, apply_config_file, env_variable, file_default
 from .flags import (
     connections,
     count,
+    etcd_url,
     log_format,
     log_level,
     parse_bytes,
@@ -134,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="concurrent streams one connection may open (100)")  # fmt: skip
     serve.add_argument("--push-deadline", type=positive_seconds, default=600.0,
                        help="seconds a push may take from header to end before it is aborted (600)")  # fmt: skip
-    serve.add_argument("--etcd", metavar="URL", help="join a fleet: register in etcd://host:port/prefix with a lease")
+    serve.add_argument("--etcd", metavar="URL", type=etcd_url,
+                       help="join a fleet: register in etcd://host:port/prefix with a lease")  # fmt: skip
     serve.add_argument("--advertise", metavar="HOST:PORT", help="the address to register (default: --host:--port)")
     serve.add_argument(
         "--etcd-lease",
@@ -255,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         dest, variable = flag[2:].replace("-", "_"), env_variable(flag)
         if getattr(args, dest) is None:  # not on the command line (argparse checked it there): the environment's
             try:
-                setattr(args, dest, parse(os.environ[variable]) if variable in os.environ else default)
+                from_file = file_default(args, flag)
+                setattr(args, dest, parse(os.environ[variable]) if variable in os.environ else from_file or default)
             except argparse.ArgumentTypeError as e:
                 parser.error(f"{variable}={os.environ[variable]!r} is not a valid {flag}: {e}")
     if args.command in SERVER_COMMANDS and (missing := _missing_server_extra()):

@@ -62,8 +62,10 @@ def _security(args: argparse.Namespace) -> dict:
         raise ManifestError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         raise ManifestError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
-    read = lambda path: Path(path).read_bytes() if path else None
-    files = {"tls_cert": read(args.tls_cert), "tls_key": read(args.tls_key), "tls_client_ca": read(args.tls_client_ca)}
+    from .preflight import read_flag_file as read
+
+    files = {flag[2:].replace("-", "_"): read(flag, getattr(args, flag[2:].replace("-", "_")))
+             for flag in ("--tls-cert", "--tls-key", "--tls-client-ca")}  # fmt: skip
     if args.tls_cert:
         from .tls import check_tls_files
 
@@ -79,14 +81,15 @@ def _connection(args: argparse.Namespace) -> dict:
     """HandoffClient's keyword arguments from the connection flags; OSError or ManifestError naming what is amiss."""
     if bool(args.tls_client_cert) != bool(args.tls_client_key):
         raise ManifestError("--tls-client-cert and --tls-client-key go together")
-    read = lambda path: Path(path).read_bytes() if path else None
-    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    from .preflight import read_flag_file as read
+
+    token = (read("--token-file", args.token_file) or b"").decode(errors="replace").strip() or None
     if args.token_file and not token:
-        raise ManifestError(f"{args.token_file}: no token in the file")
+        raise ManifestError(f"--token-file {args.token_file}: no token in the file")
     return {
-        "tls_root_certificates": read(args.tls_ca),
-        "tls_certificate_chain": read(args.tls_client_cert),
-        "tls_private_key": read(args.tls_client_key),
+        "tls_root_certificates": read("--tls-ca", args.tls_ca),
+        "tls_certificate_chain": read("--tls-client-cert", args.tls_client_cert),
+        "tls_private_key": read("--tls-client-key", args.tls_client_key),
         "tls_server_name": args.tls_server_name,
         "token": token,
     }
@@ -161,6 +164,9 @@ def serve(args: argparse.Namespace) -> int:
         keepalive_timeout_seconds=args.keepalive_timeout,
     )
     _warn_if_small(config.max_bytes, contracts)
+    if problem := _preflight(args):  # (before anything listens: a lane started, then a library's words, misled)
+        print(f"handoff-broker: cannot start: {problem}", file=sys.stderr)
+        return 2
     try:
         broker, _ = build_server(config)
     except (OSError, RuntimeError) as e:  # (each names the port it could not listen on)
@@ -169,7 +175,15 @@ def serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    broker.start()
+    try:
+        broker.start()
+    except OSError as e:  # (the registration in etcd, which answered the preflight: it names the flag all the same)
+        broker.stop(0)
+        if not args.etcd:
+            raise
+        print(f"handoff-broker: cannot start: --etcd {args.etcd}: etcd refused the registration: "
+              f"{getattr(e, 'reason', None) or e}", file=sys.stderr)  # fmt: skip
+        return 2
     metrics = f"; metrics on :{broker.metrics_port}/metrics" if broker.metrics_port is not None else ""
     print(
         f"handoff-broker listening on {broker.address}; max {config.max_bytes} bytes ({human_size(config.max_bytes)}) "
@@ -180,6 +194,18 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("signal received: draining for up to %ss", args.grace)
     broker.stop(args.grace)
     return 0
+
+
+def _preflight(args: argparse.Namespace) -> str | None:
+    """What stops `serve` before it listens, naming the flag: an address not this machine's, an etcd not answering."""
+    from .preflight import etcd_unreachable, unlistenable
+
+    for flag, host in (("--host", args.host), ("--metrics-host", args.metrics_host)):
+        if host and (why := unlistenable(host)):
+            return f"{flag} {host}: {why}"
+    if args.etcd and (why := etcd_unreachable(args.etcd)):
+        return f"--etcd {args.etcd}: {why}"
+    return None
 
 
 def _warn_if_small(max_bytes: int, contracts: dict[str, Contract]) -> None:

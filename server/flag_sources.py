@@ -12,6 +12,8 @@ import tomllib
 from collections.abc import Callable
 from typing import NoReturn
 
+from .flags import log_format, log_level
+
 ENV_PREFIX = "HANDOFF_"
 
 
@@ -48,6 +50,8 @@ class EnvDefaults(argparse.ArgumentParser):
 
 
 TOP_LEVEL_FLAGS = ("--help", "--log-level", "--log-format")  # read from the environment before any command
+FILE_TOP_LEVEL = {"log-level": log_level, "log-format": log_format}
+"""The top-level flags `serve --config FILE.toml` may set too, each read by its flag's type."""
 
 
 def env_variable(flag: str) -> str:
@@ -89,6 +93,12 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         _refuse(f"handoff-broker: {path}: not a readable TOML config: {e}")
     actions = {option[2:]: a for a in serve._actions for option in a.option_strings if option.startswith("--")}
     for key, value in settings.items():
+        if key in FILE_TOP_LEVEL:  # read by main() below the environment: see file_default
+            try:
+                parser.set_defaults(**{f"file_{key.replace('-', '_')}": FILE_TOP_LEVEL[key](_string(value))})
+            except (TypeError, argparse.ArgumentTypeError) as e:
+                _refuse(f"handoff-broker: {path}: {key} = {value!r}: {e}")
+            continue
         action = actions.get(key)
         if action is None or key in ("help", "config", *(flag[2:] for flag in TOP_LEVEL_FLAGS)):
             _refuse(f"handoff-broker: {path}: {key}: not a serve flag (see handoff-broker serve --help)")
@@ -98,6 +108,18 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             serve.set_defaults(**{action.dest: _config_value(action, value)})
         except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
             _refuse(f"handoff-broker: {path}: {key} = {value!r}: {e}")
+
+
+def _string(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError("a string")
+    return value
+
+
+def file_default(args: argparse.Namespace, flag: str) -> object:
+    """The value the TOML file gives a top-level flag (`log-level`, `log-format`), or None: below the command line
+    and the environment, which main() reads first."""
+    return getattr(args, f"file_{flag[2:].replace('-', '_')}", None)
 
 
 def _config_value(action: argparse.Action, value: object) -> object:

@@ -18,6 +18,7 @@ import argparse
 import math
 import re
 from collections.abc import Callable
+from urllib.parse import urlparse
 
 from handoff_client.protocol.lane import MAX_CONNECTIONS
 
@@ -72,6 +73,19 @@ def log_level(text: str) -> str:
     if level not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"`{text}` is not a log level: {', '.join(LOG_LEVELS)}, in any case")
     return level
+
+
+def etcd_url(text: str) -> str:
+    """Where a broker registers in its fleet: `etcd://host:port[/prefix]` (or `http://`), etcd's gateway."""
+    parsed = urlparse(text)
+    try:
+        has_port = parsed.port is not None
+    except ValueError:  # a port that is no number, or out of range
+        has_port = False
+    if parsed.scheme not in ("etcd", "http") or not parsed.hostname or not has_port:
+        raise argparse.ArgumentTypeError(f"`{text[:100]}` is not an etcd address: etcd://host:port/prefix, etcd's "
+                                         "gateway (port 2379 by default)")  # fmt: skip
+    return text
 
 
 def log_format(text: str) -> str:

@@ -261,3 +261,58 @@ def test_the_server_extra_hint_works_from_a_clone_and_from_git():
 
     assert "pip install '.[server]'" in INSTALL_SERVER and "@ git+https://" in INSTALL_SERVER
     assert "pip install 'handoff-broker[server]'" not in INSTALL_SERVER  # on no index: that line cannot work
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then let go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_etcd_is_checked_like_every_flag_and_before_anything_listens(capsys):
+    """Fails before the fix: `--etcd nonsense` and an etcd not answering were a bare `<urlopen error ...>`, printed
+    after the lanes had started."""
+    err = refusal(capsys, "serve", "--etcd", "nonsense")
+    assert "argument --etcd: `nonsense` is not an etcd address: etcd://host:port/prefix" in err
+    url = f"etcd://127.0.0.1:{closed_port()}/fleet"
+    err = refusal(capsys, "serve", "--port", "0", "--metrics-port", "-1", "--etcd", url)
+    assert f"cannot start: --etcd {url}: etcd does not answer at http://127.0.0.1:" in err
+    assert "(Connection refused)" in err and "urlopen" not in err
+
+
+def test_a_host_this_machine_cannot_listen_on_blames_host(capsys):
+    """Fails before the fix: `--host 999.1.1.1` said `cannot listen for the TCP lane (--lane-port)`."""
+    err = refusal(capsys, "serve", "--port", "0", "--metrics-port", "-1", "--host", "999.1.1.1")
+    assert "cannot start: --host 999.1.1.1: not an address or host name this machine can resolve" in err
+    assert "--lane-port" not in err
+    err = refusal(capsys, "serve", "--port", "0", "--metrics-port", "-1", "--host", "192.0.2.7")  # (TEST-NET-1)
+    assert "cannot start: --host 192.0.2.7: not an address of this machine: cannot listen on it" in err
+
+
+def test_a_missing_tls_or_token_file_names_its_flag(capsys, tmp_path: Path):
+    """Fails before the fix: `[Errno 2] No such file or directory: '/...'`, no flag."""
+    gone = str(tmp_path / "gone.pem")
+    err = refusal(capsys, "serve", "--port", "0", "--metrics-port", "-1", "--tls-cert", gone, "--tls-key", gone)
+    assert f"cannot start: --tls-cert {gone}: No such file or directory" in err
+    for flag in ("--tls-ca", "--token-file"):
+        err = refusal(capsys, "status", "--target", f"127.0.0.1:{closed_port()}", flag, gone)
+        assert f"handoff-broker status: {flag} {gone}: No such file or directory" in err
+
+
+def test_the_config_file_takes_log_level_and_log_format_below_the_environment(tmp_path: Path):
+    """Fails before the fix: `log-level: not a serve flag`, though --help and docs/configuration.md say every serve
+    flag may go in the file. (Processes of their own: logging is configured once per process.)"""
+    config = tmp_path / "broker.toml"
+
+    def serve(lines: str, **env: str) -> subprocess.CompletedProcess:  # a warning logged, then a refusal: no listening
+        config.write_text(lines + '\nmax-bytes = "1KiB"\nhost = "999.1.1.1"\nmetrics-port = -1\n')
+        return subprocess.run([*COMMAND, "serve", "--config", str(config)], env={**os.environ, **env}, check=False,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    done = serve('log-level = "warning"\nlog-format = "json"')
+    assert done.returncode == 2 and '"level": "WARNING"' in done.stderr and "holds no hand-off" in done.stderr
+    assert "holds no hand-off" not in serve('log-level = "error"').stderr
+    assert '"level"' not in serve('log-format = "json"', HANDOFF_LOG_FORMAT="text").stderr  # the environment wins
+    done = serve('log-level = "chatty"')
+    assert f"{config}: log-level = 'chatty': `chatty` is not a log level" in done.stderr

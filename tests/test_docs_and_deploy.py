@@ -120,3 +120,17 @@ def test_the_readmes_docker_run_publishes_every_port_the_images_command_serves_b
     lane = re.search(r'"--lane-port", "(\d+)"', dockerfile).group(1)
     run = re.search(r"docker run ([^`]*)`", README).group(1)
     assert set(re.findall(r"-p (\d+):\d+", run)) == {grpc, lane}, run
+
+
+def test_the_client_page_documents_each_attribute_of_a_carried_tensor_the_front_page_uses():
+    """Fails before the fix: the README's example used `.shape` and `.numpy_dtype`, documented nowhere."""
+    from handoff_client import Carried
+
+    page = (ROOT / "docs" / "client.md").read_text()
+    table = page.split("## A contract's tensors", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`\.(\w+)`", table))
+    example = re.search(r"```python\n(.*?)```", README, re.DOTALL).group(1)  # (its `for t in contract.carried`)
+    assert {"shape", "numpy_dtype"} <= documented and set(re.findall(r"\bt\.(\w+)", example)) <= documented
+    carried = Carried("x", 0, 4, 8, "bfloat16")
+    assert all(hasattr(carried, name) for name in documented if name not in {"model", "ctx", "hidden", "fingerprint",
+                                                                            "carried"})  # fmt: skip

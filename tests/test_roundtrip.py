@@ -73,10 +73,11 @@ def test_chunks_out_of_order_and_interleaved_across_tensors_arrive_whole(broker,
     assert_same_bits(handoff.state, tensors)
 
 
-def test_tensors_the_contract_does_not_carry_are_left_behind(client: HandoffClient):
+def test_tensors_the_contract_does_not_carry_are_left_behind_when_the_caller_says_so(client: HandoffClient):
+    """Unasked, they are refused by name (tests/test_client_names.py)."""
     contract = client.get_contract("every-dtype")
     tensors = seeded_tensors(contract)
-    client.push("every-dtype", "req", 0, {**tensors, "logits": np.zeros(5)})
+    client.push("every-dtype", "req", 0, {**tensors, "logits": np.zeros(5)}, drop_extra=True)
     assert_same_bits(client.pull("every-dtype", "req").state, tensors)
 
 

@@ -22,10 +22,11 @@ class UnknownTensor(ContractViolation):
 
     reason = "UNKNOWN_TENSOR"
 
-    def __init__(self, model: str, tensor: str) -> None:
+    def __init__(self, model: str, tensor: str, like: str | None = None) -> None:
         tensor = bounded(tensor, MAX_FIELD_CHARS)  # a name a client made up: echoed bounded
+        hint = f" (a misspelling of the carried `{like}`, which it leaves out?)" if like else ""
         super().__init__(
-            f"{model}: the hand-off carries `{tensor}`, which no decode step reads", model=model, tensor=tensor
+            f"{model}: the hand-off carries `{tensor}`, which no decode step reads{hint}", model=model, tensor=tensor
         )
 
 

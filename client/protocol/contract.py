@@ -18,10 +18,11 @@ quantization scale) are carried whole at every position.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -147,12 +148,14 @@ class Contract:
         """Bytes of one hand-off: what a push reserves."""
         return sum(c.nbytes for c in self.carried)
 
-    def index(self, name: str) -> int:
-        """The position of `name` in contract order; UnknownTensor if the contract does not carry it."""
+    def index(self, name: str, given: Collection[str] = ()) -> int:
+        """The position of `name` in contract order; UnknownTensor if the contract does not carry it, naming the
+        carried tensor it resembles that the names `given` with it lack (a misspelling)."""
         try:
             return self._index[name]
         except KeyError:
-            raise UnknownTensor(self.model, name) from None
+            like = difflib.get_close_matches(name, [c.name for c in self.carried if c.name not in given], 1)
+            raise UnknownTensor(self.model, name, *(like if given else ())) from None
 
     def tensor(self, name: str) -> Carried:
         return self.carried[self.index(name)]
@@ -180,18 +183,21 @@ class Contract:
     def check(self, handoff: Handoff) -> None:
         """Whether `handoff` is this contract's: every carried tensor, as declared, nothing else, a next row."""
         for name in sorted(handoff.state):
-            self.index(name)
+            self.index(name, handoff.state)
         if missing := [c.name for c in self.carried if c.name not in handoff.state]:
             raise MissingTensor(self.model, *missing)
         for carried in self.carried:
             check_array(self.model, carried, handoff.state[carried.name])
         self.check_position(handoff.position)
 
-    def take(self, position: int, tensors: Mapping[str, np.ndarray]) -> Handoff:
+    def take(self, position: int, tensors: Mapping[str, np.ndarray], *, drop_extra: bool = True) -> Handoff:
         """The hand-off a run leaves after `position` tokens: the carried tensors out of `tensors`, checked.
 
-        Tensors the contract does not carry are left behind, as the design card's `take` does.
+        Tensors the contract does not carry are left behind, as the design card's `take` does; `drop_extra=False`
+        refuses the first by name, as `check` does (a client's push, unless its caller opts in to dropping them).
         """
+        for name in [] if drop_extra else sorted(tensors):
+            self.index(name, tensors)
         if missing := [c.name for c in self.carried if c.name not in tensors]:
             raise MissingTensor(self.model, *missing)
         state = {c.name: tensors[c.name] for c in self.carried}

@@ -18,7 +18,7 @@ both sides; `shard_arrays` cuts whole arrays into a rank's and `join_shards` put
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -128,11 +128,11 @@ class ShardContract(Contract):
     def rewindable(self) -> bool:
         return self.whole.rewindable
 
-    def index(self, name: str) -> int:
+    def index(self, name: str, given: Collection[str] = ()) -> int:
         try:
             return self._index[name]
         except KeyError:
-            carried = self.whole.tensor(name)  # UnknownTensor when the contract does not carry it at all
+            carried = self.whole.carried[self.whole.index(name, given)]  # UnknownTensor: not carried at all
         if carried.heads:
             why = f"its heads {held_heads(self.model, carried, self.shard)} are pushed by a lower rank holding them"
         else:
