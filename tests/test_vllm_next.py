@@ -186,3 +186,16 @@ def test_the_scheduler_half_saves_once_and_loads_into_new_blocks_through_0_34_s_
     params = half.request_finished(handed)[1]
     assert params["prompt_digest"] == request_digest(handed, 40) and params["position"] == 40  # the prompt's own ids
     assert re.fullmatch(r"engine-handed-[0-9a-f]{16}", params["handoff_id"])
+
+
+@pytest.mark.parametrize("cache_dtype", ["octave_k3v4", "fp8_e4m3", "my_registered_dtype"])
+def test_a_kv_cache_dtype_the_connector_does_not_carry_is_refused_naming_it(cache_dtype):
+    """0.33 opens the KV-cache dtype set (register_kv_cache_dtype, octave_*): whatever name it is given, the
+    connector's contract refuses any but the model's bfloat16, float16 or float32, naming it."""
+    from handoff_client.vllm._settings import served_contract
+
+    config = SimpleNamespace(model_config=SimpleNamespace(dtype="torch.bfloat16", served_model_name="m",
+                                                          max_model_len=64, hf_config=None),
+                             cache_config=SimpleNamespace(cache_dtype=cache_dtype))  # fmt: skip
+    with pytest.raises(ValueError, match=f"kv_cache_dtype {cache_dtype}"):
+        served_contract(config, ConnectorSettings())
