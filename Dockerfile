@@ -1,5 +1,5 @@
 # The broker alone: a slim Python, the package with its [server] extra, a non-root user.
-#   docker build -t handoff-broker:0.3.0.dev0 .     (the name deploy/kubernetes/broker.yaml and docker-compose.yml use)
+#   docker build -t handoff-broker:0.3.0.dev0 .     (the name deploy/kubernetes/base and docker-compose.yml use)
 # The base is the current Python 3.11 patch release, pinned exactly; pin it by digest too
 # (python:3.11.15-slim-bookworm@sha256:...) where your registry policy asks for it.
 FROM python:3.11.15-slim-bookworm

@@ -34,8 +34,8 @@ def documents(path: Path) -> list[dict]:
 
 def base_documents() -> dict[str, dict]:
     """The base kustomization's resources, by kind."""
-    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
-    return {d["kind"]: d for name in kustomization["resources"] for d in documents(KUBERNETES / name)}
+    kustomization = yaml.safe_load((KUBERNETES / "base" / "kustomization.yaml").read_text())
+    return {d["kind"]: d for name in kustomization["resources"] for d in documents(KUBERNETES / "base" / name)}
 
 
 def apply_json_patch(document: dict, operations: list[dict]) -> dict:
@@ -60,7 +60,7 @@ def apply_json_patch(document: dict, operations: list[dict]) -> dict:
 def overlay_statefulset() -> dict:
     """The StatefulSet of deploy/kubernetes/tls-and-tokens: the base's, with the overlay's JSON patch applied."""
     overlay = yaml.safe_load((KUBERNETES / "tls-and-tokens" / "kustomization.yaml").read_text())
-    assert overlay["resources"] == ["../"]
+    assert overlay["resources"] == ["../base"]
     (patch,) = overlay["patches"]
     assert patch["target"] == {"kind": "StatefulSet", "name": "handoff-broker"}
     operations = yaml.safe_load((KUBERNETES / "tls-and-tokens" / patch["path"]).read_text())

@@ -75,7 +75,7 @@ def test_the_compose_file_is_well_formed_and_its_commands_parse():
     probe = broker["healthcheck"]["test"]
     assert probe[0] == "CMD" and probe[1] == "handoff-broker"
     assert build_parser().parse_args(probe[2:]).target.endswith(f":{args.port}")
-    image = (ROOT / "deploy/kubernetes/broker.yaml").read_text().split("image: ", 1)[1].split()[0]
+    image = (ROOT / "deploy/kubernetes/base/broker.yaml").read_text().split("image: ", 1)[1].split()[0]
     assert broker["build"] == "." and broker["image"] == image  # built once, under the name Kubernetes runs
     for role in ("prefill", "decode"):
         assert "build" not in services[role] and services[role]["image"] == image  # the broker's, not built again
@@ -94,7 +94,7 @@ def test_the_compose_file_is_well_formed_and_its_commands_parse():
 def test_the_kubernetes_manifests_parse_and_agree_with_the_cli():
     from handoff_broker.cli import _parse_bytes
 
-    documents = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/broker.yaml").read_text()))
+    documents = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/base/broker.yaml").read_text()))
     kinds = {d["kind"]: d for d in documents}
     assert set(kinds) == {"Service", "StatefulSet"}  # (the PodMonitor, which needs the operator's CRDs: monitoring/)
     service, stateful = kinds["Service"], kinds["StatefulSet"]
@@ -134,3 +134,23 @@ def test_the_client_page_documents_each_attribute_of_a_carried_tensor_the_front_
     carried = Carried("x", 0, 4, 8, "bfloat16")
     assert all(hasattr(carried, name) for name in documented if name not in {"model", "ctx", "hidden", "fingerprint",
                                                                             "carried"})  # fmt: skip
+
+
+def test_the_reflection_sample_in_python_lists_the_brokers_service_and_its_methods(broker, capsys):
+    """Fails before the fix: reflection was shown with grpcurl only, which a Python shop may not have."""
+    (sample,) = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "operations.md").read_text(), re.DOTALL)
+    exec(compile(sample.replace("127.0.0.1:50051", broker.address), "operations.md", "exec"), {})  # noqa: S102
+    services, methods = capsys.readouterr().out.splitlines()
+    assert "'handoff.v1.HandoffBroker'" in services and "'grpc.health.v1.Health'" in services
+    assert "'PushHandoff'" in methods and "'GetLanes'" in methods
+
+
+def test_the_dev_extra_installs_the_checks_the_conventions_ask_for_and_the_quickstart_dirties_no_clone():
+    """Fails before the fix: ruff and mypy were in no extra; the vLLM quickstart left tiny-llama/ untracked."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {re.split(r"[<>=]", r)[0] for r in extras["dev"]} >= {"ruff", "mypy", "handoff-broker[test]"}
+    assert "pip install -e '.[dev]'" in (ROOT / "CONTRIBUTING.md").read_text()
+    (saved,) = re.findall(r"save_pretrained\('([\w-]+)'\)", README)
+    assert f"{saved}/" in (ROOT / ".gitignore").read_text().splitlines()

@@ -56,7 +56,7 @@ def test_every_image_tag_is_the_version():
         for tag in re.findall(r"\bhandoff-broker:(\d[A-Za-z0-9_.-]*)", (ROOT / name).read_text()):
             tags.setdefault(tag.rstrip("."), []).append(name)
     assert set(tags) == {VERSION}, tags
-    assert {"Dockerfile", "docker-compose.yml", "README.md", "deploy/kubernetes/broker.yaml"} <= set(tags[VERSION])
+    assert {"Dockerfile", "docker-compose.yml", "README.md", "deploy/kubernetes/base/broker.yaml"} <= set(tags[VERSION])
 
 
 def test_the_front_page_states_the_release_and_the_version():
