@@ -22,6 +22,7 @@ from handoff_client._architectures import contract_from_config
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+API_SERVER = "vllm.entrypoints.openai.api_server"
 
 
 def blocks(language: str) -> list[str]:
@@ -205,3 +206,17 @@ def test_the_front_page_names_no_internal_issue_and_its_quick_subset_exists():
     assert not re.findall(r"(?<![\w/&])#\d+\b", README)
     for span in re.findall(r"`[^`]*?pytest ((?:tests/\S+\.py ?)+)`", README):
         assert all((ROOT / path).exists() for path in span.split()), span
+
+
+def test_every_vllm_serve_line_in_the_docs_gives_the_model_with_model():
+    """Fails before the fix: docs/vllm.md's commands gave a positional path, which `python -m
+    vllm.entrypoints.openai.api_server` (the CPU build's `vllm serve`) ignores, serving its default model instead."""
+    found = 0
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"^```bash\n(.*?)^```$", page.read_text(), re.MULTILINE | re.DOTALL):
+            for words in _statements(block.replace("\\\n", " ")):
+                program = 2 if words[:2] == ["vllm", "serve"] else 3 if words[:3] == ["python", "-m", API_SERVER] else 0
+                if program:
+                    found += 1
+                    assert words[program].startswith("--") and "--model" in words, f"{page.name}: {words[:4]}"
+    assert found >= 6
