@@ -36,7 +36,6 @@ from ._calls import (
     make_channel,
     retryable_pull,
     retryable_push,
-    tls_hint,
 )
 from ._lane_choice import LaneOffers, connections_for
 from ._produced import CheckedState, is_produced, producing
@@ -44,7 +43,7 @@ from ._pulls import PullAttempts, PulledTensors, destinations
 from ._pushes import PushAttempts, PushResult
 from ._status import BrokerStatus
 from .protocol.contract import Contract, Handoff, cut_to_filled
-from .protocol.errors import FingerprintMismatch, HandoffError, from_rpc_error
+from .protocol.errors import BrokerUnavailable, FingerprintMismatch, HandoffError, from_rpc_error
 from .protocol.lane import MAX_CONNECTIONS, new_capability
 from .protocol.limits import DEFAULT_CHUNK_BYTES
 from .protocol.messages import handoff_pb2 as pb
@@ -88,6 +87,7 @@ class BrokerClient:
         credentials: grpc.ChannelCredentials | None = None,
         options: tuple[tuple[str, object], ...] = (),
         retry: RetryPolicy = DEFAULT_RETRY,
+        retry_unreachable: bool = True,
         token: str | None = None,
         tls_root_certificates: bytes | None = None,
         tls_certificate_chain: bytes | None = None,
@@ -106,7 +106,9 @@ class BrokerClient:
         `lane_connections` stripes each call's TCP lane over that many connections (at most the lane's
         `max_connections`): worth it only on links whose bandwidth-delay product exceeds one TCP window.
         `chunk_bytes` is the bytes a pushed chunk carries, on every path; by default DEFAULT_CHUNK_BYTES on the
-        streams and, on a lane, a sixteenth of the hand-off from that up to 4 MiB (_lane_choice.frame_bytes)."""
+        streams and, on a lane, a sixteenth of the hand-off from that up to 4 MiB (_lane_choice.frame_bytes).
+        `retry_unreachable=False`: a push or pull whose broker cannot be reached (BrokerUnavailable itself, not
+        BROKER_BUSY or a broken lane) is not retried at it (a fleet's per-broker clients: the next broker is tried)."""
         if not 0 < lane_connections <= MAX_CONNECTIONS:
             raise ValueError(f"lane_connections must be in 1..{MAX_CONNECTIONS}, got {lane_connections}")
         if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
@@ -116,9 +118,9 @@ class BrokerClient:
         self.chunk_bytes_chosen = chunk_bytes is not None  # ... and on the lanes, else a size for each (frame_bytes)
         self.timeout = timeout
         self.retry = retry
+        self.retry_unreachable = retry_unreachable
         self.lane_connections = lane_connections
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._plaintext = credentials is None and not (tls_root_certificates or tls_certificate_chain)
         self._closed = False
         self._channel = make_channel(
             target, CHANNEL_OPTIONS + tuple(options), credentials, tls_root_certificates=tls_root_certificates,
@@ -198,12 +200,10 @@ class BrokerClient:
         wait_for_room: bool = True,
         resumable: bool = False,
         shard: Shard | tuple[int, int] | None = None,
-        drop_extra: bool = False,
     ) -> PushResult:
         """Hand the carried tensors after `position` tokens to the broker under `handoff_id`.
 
-        A tensor the contract does not carry is refused by name (UnknownTensor), as the broker would; `drop_extra=True`
-        leaves such tensors behind. The carried ones must be exactly as declared, except that a tensor
+        Extra entries in `tensors` are ignored; the carried ones must be exactly as declared, except that a tensor
         whose rows are positions (`Carried.rows_are_positions`) may be given either as the rows `position` tokens
         filled, `(min(position, rows), cols)`, or as the whole cache `(rows, cols)`: either way only the filled rows
         are sent, and the puller gets the same hand-off. `ttl` shortens how
@@ -228,19 +228,19 @@ class BrokerClient:
         contract = view(self.get_contract(model).at(position), part, pushing=True)
         options = {"ttl": ttl, "wait_for_room": wait_for_room, "resumable": resumable}
         if arrays is not None:
-            handoff = contract.take(position, cut_to_filled(contract, arrays), drop_extra=drop_extra)
+            handoff = contract.take(position, cut_to_filled(contract, arrays))
             return self._push_attempts(contract, handoff_id, handoff, part, timeout, **options)
         with producing(model, tensors) as made:
             made.check_first()  # (an iterable of the wrong things is refused before the broker is asked)
-            handoff = Handoff(position, CheckedState(made, contract, drop_extra=drop_extra))
+            handoff = Handoff(position, CheckedState(made, contract))
             return self._push_attempts(contract, handoff_id, handoff, part, timeout, **options)
 
     def _push_attempts(
         self, contract: Contract, handoff_id: str, handoff: Handoff, part: Shard, timeout: float | None, **options: Any
     ) -> PushResult:
         attempts = PushAttempts(self, contract, handoff_id, handoff, part, **options)
-        response = self._with_retries(attempts.run, retryable_push, timeout)
-        ticket = make_ticket(self.target, contract.model, handoff_id, contract.fingerprint)
+        response = self._with_retries(attempts.run, self._here(retryable_push), timeout)
+        ticket = make_ticket(self.target, contract.model, handoff_id, contract.fingerprint, response.incarnation)
         return PushResult(
             response.handoff_id, response.bytes, response.chunks, response.digest, response.duplicate, ticket
         )
@@ -298,8 +298,8 @@ class BrokerClient:
         the pull returns."""
         self._check_ticket(model, handoff_id, ticket)
         into = None if into is None else as_arrays(model, into, "into")
-        attempts = PullAttempts(self, model, handoff_id, as_shard(model, shard), into, wait_for_push)
-        return self._with_retries(attempts.run, attempts.retryable, timeout)
+        attempts = PullAttempts(self, model, handoff_id, as_shard(model, shard), into, wait_for_push, ticket)
+        return self._with_retries(attempts.run, self._here(attempts.retryable), timeout)
 
     def pull_tensors(
         self,
@@ -324,7 +324,7 @@ class BrokerClient:
         are of the filled shape, as `pull` returns them. `lanes=False`: the chunks on the stream, even where the
         broker offers a lane. A `ticket` is checked as `pull` checks it.
         """
-        self._check_ticket(model, handoff_id, ticket)
+        incarnation = self._check_ticket(model, handoff_id, ticket)
         part = as_shard(model, shard)
         declared = self.get_contract(model)
         deadline = self.timeout if timeout is None else timeout
@@ -339,17 +339,22 @@ class BrokerClient:
             lane_capability=new_capability() if lane is not None else b"",
             lane_kind=lane.kind if lane is not None else pb.LANE_KIND_UNSPECIFIED,
             lane_connections=connections_for(lane, self.lane_connections) if lane is not None else 0,
+            incarnation=incarnation,
         )
         into = None if into is None else as_arrays(model, into, "into")
         arrays = destinations(view(declared, part, pushing=False), into)  # checked before the claim
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)
         return PulledTensors(self, declared, part, handoff_id, stream, deadline, arrays, request)
 
-    def _check_ticket(self, model: str, handoff_id: str, ticket: str | None) -> None:
-        """A ticket must name this hand-off and the contract this broker serves for the model."""
-        fields = ticket_for(ticket, model, handoff_id) if ticket is not None else None
-        if fields is not None and fields["f"] != (served := self.get_contract(model).fingerprint):
+    def _check_ticket(self, model: str, handoff_id: str, ticket: str | None) -> str:
+        """A ticket must name this hand-off and the contract this broker serves for the model; the broker
+        incarnation it names ("": none, or no ticket), which the pull asks the broker to be."""
+        if ticket is None:
+            return ""
+        fields = ticket_for(ticket, model, handoff_id)
+        if fields["f"] != (served := self.get_contract(model).fingerprint):
             raise FingerprintMismatch(model, served, fields["f"])
+        return fields.get("n", "")
 
     def _confirm_claim(
         self, model: str, handoff_id: str, claim: int, timeout: float, shard: pb.Shard | None = None
@@ -369,7 +374,14 @@ class BrokerClient:
         try:
             return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise tls_hint(from_rpc_error(e), self._plaintext) from None
+            raise from_rpc_error(e) from None
+
+    def _here(self, retryable: Callable[[HandoffError], bool]) -> Callable[[HandoffError], bool]:
+        """`retryable`, less a broker that could not be reached where `retry_unreachable` is off (a fleet's brokers'
+        clients: the fleet tries the next broker instead of waiting here for a broker that may be frozen)."""
+        if self.retry_unreachable:
+            return retryable
+        return lambda error: type(error) is not BrokerUnavailable and retryable(error)
 
     def _with_retries(
         self, attempt: Callable[[float], T], retryable: Callable[[HandoffError], bool], timeout: float | None
@@ -382,6 +394,6 @@ class BrokerClient:
             except HandoffError as e:
                 delay = next(delays, None)
                 if self._closed or not retryable(e) or delay is None or time.monotonic() + delay >= deadline:
-                    raise tls_hint(e, self._plaintext) from None
+                    raise
                 logger.info("retrying in %.3f s after %s: %s", delay, type(e).__name__, e.message)
                 time.sleep(delay)

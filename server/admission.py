@@ -6,12 +6,19 @@ they wait for, health checks and status queue behind them until everything times
 
     streams   open PushHandoff and PullHandoff streams          at most workers - reserve
     waiting   of those, calls waiting for a push or for room    at most half of the streams
+    waiting pushes   of those, pushes waiting for room          at most their windows' budget / one stream window
     reserve   threads no stream may take                        max(1, workers // 8): health, status, contracts,
                                                                 confirms and cancels always find one
 
 A stream past its limit is refused at once with BROKER_BUSY (RESOURCE_EXHAUSTED, RetryInfo), which the client
 retries; a call that would wait past the waiting limit does not wait (a pull whose push has not begun, or a push
 short of room, is refused as BROKER_BUSY or CAPACITY_EXHAUSTED). Every refusal is counted by reason, as every other.
+
+A push waiting for room holds what its HTTP/2 window let in (up to app.STREAM_WINDOW_BYTES), outside --max-bytes: the
+waiting pushes' windows are counted against a budget of their own (app.waiting_windows_budget: an eighth of
+--max-bytes, at least 16 MiB), so many pushes waiting on a full broker cannot hold their window each beside it (60
+on a full 2 MiB broker held 120 MiB; now 8 wait, and the rest are refused at once, CAPACITY_EXHAUSTED, as a push
+past the waiting budget always was).
 
 A stream that sends nothing is ended by the `Watchdog` (watchdog.py) after `--idle-timeout`: it cannot pin a
 thread by silence, before its header or after.
@@ -38,6 +45,15 @@ from typing import Self, TypeVar
 from handoff_client.protocol.errors import BrokerBusy
 
 T = TypeVar("T")
+
+WAITING_WINDOWS_MIN_BYTES = 16 << 20
+"""The least the waiting pushes' windows may hold together (waiting_windows_budget)."""
+
+
+def waiting_windows_budget(max_bytes: int) -> int:
+    """What the windows of pushes waiting for room may hold together, outside --max-bytes: an eighth of it, at least
+    WAITING_WINDOWS_MIN_BYTES. The broker lets this / its stream window pushes wait (app.py)."""
+    return max(WAITING_WINDOWS_MIN_BYTES, max_bytes // 8)
 
 
 class Budget:
@@ -167,22 +183,52 @@ class HeldWhileRunning(Iterator[T]):
             release()
 
 
+class Slots:
+    """Slots of several budgets, given back together (each exactly once, as a Slot is)."""
+
+    __slots__ = ("_slots",)
+
+    def __init__(self, *slots: Slot) -> None:
+        self._slots = slots
+
+    def give_back(self) -> None:
+        for slot in self._slots:
+            slot.give_back()
+
+
 @dataclass(frozen=True)
 class Admission:
     """The broker's budgets, sized from its worker threads."""
 
     streams: Budget
     waiting: Budget
+    waiting_pushes: Budget
 
     @classmethod
-    def for_workers(cls, workers: int) -> Admission:
+    def for_workers(cls, workers: int, waiting_pushes: int | None = None) -> Admission:
+        """The budgets for `workers` threads; `waiting_pushes` caps the pushes that may wait for room (at most the
+        waiting budget, which is also the default)."""
         if workers < 2:
             raise ValueError(
                 f"--workers must be at least 2 (one for streams, one for health and status), not {workers}"
             )
         reserve = max(1, workers // 8)
         streams = workers - reserve
+        waiting = max(1, streams // 2)
         return cls(
             streams=Budget("open push and pull streams", streams),
-            waiting=Budget("calls waiting for a push or for room", max(1, streams // 2)),
+            waiting=Budget("calls waiting for a push or for room", waiting),
+            waiting_pushes=Budget("pushes waiting for room", max(1, min(waiting, waiting_pushes or waiting))),
         )
+
+    def waiting_for_room(self) -> Slots | None:
+        """A push's slots to wait for room (one of `waiting`, one of `waiting_pushes`, given back together), or None
+        where either budget is spent (the push then does not wait)."""
+        pushes = self.waiting_pushes.try_take()
+        if pushes is None:
+            return None
+        call = self.waiting.try_take()
+        if call is None:
+            pushes.give_back()
+            return None
+        return Slots(call, pushes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from handoff_client.protocol.limits import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from handoff_client.protocol.wire import SERVICE_NAME
 from prometheus_client import CollectorRegistry
 
-from .admission import Admission
+from .admission import Admission, waiting_windows_budget
 from .auth import AuthInterceptor, TokenTable
 from .contracts import default_contracts
 from .lanes import LaneListener
@@ -55,6 +56,8 @@ reads it, outside --max-bytes (docs/lifecycle.md, "Memory"). Fixed, without BDP 
 for room held 1.28 GiB with it (the transport took in each whole), 1.5 MiB each without. The cost, on the streams only
 (a large hand-off takes a lane): a 32 MiB push on loopback took 0.050 s against 0.034, its pull 0.063 against 0.048
 (medians of 5, 2 vCPUs); with a 1 MiB window, 0.11 and 0.13."""
+MIN_PING_INTERVAL_MS = 1000
+"""The most often a client may ping (ms): below the client's keepalive (2 s), so it knows a silent broker in seconds."""
 DEFAULT_WORKERS = 256
 """Threads serving calls: each open stream, and each pull waiting for its push, holds one."""
 
@@ -140,6 +143,8 @@ class Broker:
         # to the hand-off budget, for the next pushes; the store trims it after --trim-after seconds holding nothing.
         tune_allocator(arenas=ALLOCATOR_ARENAS, keep=config.max_bytes, mmap_threshold=ALLOCATOR_MMAP_THRESHOLD)
         self.config = config
+        self.incarnation = secrets.token_hex(8)
+        """This process's incarnation: a ticket names it, so a pull after a restart is refused at once (BrokerRestarted)."""
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.store = Store(
@@ -170,7 +175,8 @@ class Broker:
             ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_seconds * 1000)),
             ("grpc.http2.ping_timeout_ms", int(config.keepalive_timeout_seconds * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            # Clients ping every 2 s while a call is under way (their keepalive): permitted.
+            ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
             ("grpc.so_reuseport", 0),  # a second broker on a taken port must fail, not silently share it
             # Each push stream's bytes in flight, before the broker reads them, are at most its window: a push waiting
             # for room (or its turn) holds STREAM_WINDOW_BYTES outside --max-bytes, not the whole hand-off the window
@@ -178,7 +184,8 @@ class Broker:
             ("grpc.http2.bdp_probe", 0),
             ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
         ]
-        self.admission = Admission.for_workers(config.workers)
+        waiting_pushes = waiting_windows_budget(config.max_bytes) // STREAM_WINDOW_BYTES
+        self.admission = Admission.for_workers(config.workers, waiting_pushes)
         self.watchdog = Watchdog()
         tcp_lane = (config.host, config.lane_port) if config.lanes else None
         lane_socket = config.lane_socket if config.lanes and config.shared_memory_lane else None
@@ -199,6 +206,7 @@ class Broker:
             lanes=self.lanes,
             lane_min_bytes=config.lane_min_bytes,
             shm_lane_min_bytes=config.shared_memory_lane_min_bytes,
+            incarnation=self.incarnation,
         )
         interceptors = [AuthInterceptor(config.tokens, servicer._count_refusal)] if config.tokens else []
         self.server = grpc.server(

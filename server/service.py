@@ -15,6 +15,7 @@ import grpc
 from handoff_client.protocol.errors import (
     MAX_FIELD_CHARS,
     BrokerBusy,
+    BrokerRestarted,
     HandoffError,
     LaneBroken,
     MalformedRequest,
@@ -77,8 +78,10 @@ class HandoffBrokerServicer:
         lanes: LaneListener | None = None,
         lane_min_bytes: int = 0,
         shm_lane_min_bytes: int = 0,
+        incarnation: str = "",
     ) -> None:
         self.store = store
+        self.incarnation = incarnation  # (PushResponse and StatusResponse say it; a pull naming another is refused)
         self.metrics = metrics
         self.admission = admission
         self.watchdog = watchdog
@@ -148,8 +151,8 @@ class HandoffBrokerServicer:
         outcome = "refused"
         self.metrics.streams.labels("push").inc()
         try:
-            waiting = None if header.no_wait else self.admission.waiting.try_take()
-            try:  # past the waiting budget, a push short of room is refused at once instead of waiting
+            waiting = None if header.no_wait else self.admission.waiting_for_room()
+            try:  # past the waiting budgets, a push short of room is refused at once instead of waiting
                 session = self.store.begin_push(
                     header.model,
                     header.handoff_id,
@@ -223,11 +226,14 @@ class HandoffBrokerServicer:
             chunks=result.chunks,
             digest=result.digest,
             duplicate=result.duplicate,
+            incarnation=self.incarnation,
         )
 
     @mapped_stream
     def PullHandoff(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         authorize_model(request.model)
+        if request.incarnation and request.incarnation != self.incarnation:  # (before it may wait for a push)
+            raise BrokerRestarted(request.model, request.handoff_id, request.incarnation[:64], self.incarnation)
         progress = PullProgress()
         # The stream slot is held while the call may hold a thread: given back once the call has ended and no thread
         # runs its handler (a generator grpcio abandons mid-send is closed only when collected), never before.
@@ -235,6 +241,9 @@ class HandoffBrokerServicer:
             self.admission.streams.take(request.model), self._pull_stream(request, context, progress)
         )
         progress.held = held
+        # In flight from its admission, a pull waiting for its push included, until its stream slot is given back.
+        self.metrics.streams.labels("pull").inc()
+        held.on_release(self.metrics.streams.labels("pull").dec)
         if not context.add_callback(held.call_ended):  # the caller is already gone
             held.close()
             return iter(())
@@ -289,9 +298,6 @@ class HandoffBrokerServicer:
                 waiting.give_back()
         started = time.monotonic()
         model = self._model_label(claim.model)
-        self.metrics.streams.labels("pull").inc()
-        if progress.held is not None:  # in flight while its thread is, as its stream slot
-            progress.held.on_release(self.metrics.streams.labels("pull").dec)
 
         def ended() -> None:  # however the call ends: a stream broken before its end returns the claim at once
             self.store.release(claim, progress.sent_all)
@@ -364,6 +370,7 @@ class HandoffBrokerServicer:
             oldest_seconds=stats.oldest_seconds,
             tombstones=stats.tombstones,
             draining=stats.draining,
+            incarnation=self.incarnation,
             contracts=[contract_to_proto(self.store.contracts[m]) for m in sorted(self.store.contracts) if may_see(m)],
         )
 

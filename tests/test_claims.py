@@ -111,7 +111,7 @@ def test_a_claim_streamed_whole_but_never_confirmed_returns_after_its_lease(star
             client.pull("every-dtype", "req", timeout=0.1)
         wait_until(lambda: broker.store.stats().ready == 1)
         assert_same_bits(client.pull("every-dtype", "req").state, tensors)
-        assert broker.store.stats().tombstones == 1 and first_claim == 1
+        assert broker.store.stats().tombstones == 1 and first_claim > 0
 
 
 def test_a_pusher_killed_mid_stream_leaves_nothing_visible_and_frees_its_memory(broker, client):

@@ -255,9 +255,10 @@ def test_confirms_name_their_claim(client, contract):
     error = raises_handoff_error(confirm, client, "x", 1)
     assert isinstance(error, UnknownHandoff) and error.code is grpc.StatusCode.NOT_FOUND
     client.push(MODEL, "r", 1, seeded_tensors(contract))
-    client.pull(MODEL, "r")  # confirmed as claim 1
-    confirm(client, "r", 1)  # again: idempotent
-    error = raises_handoff_error(confirm, client, "r", 7)
+    pulled = client.pull_tensors(MODEL, "r")
+    list(pulled)  # confirmed as its claim
+    confirm(client, "r", pulled.claim)  # again: idempotent
+    error = raises_handoff_error(confirm, client, "r", pulled.claim + 1)
     assert isinstance(error, StaleClaim) and error.code is grpc.StatusCode.FAILED_PRECONDITION
 
 

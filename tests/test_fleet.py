@@ -62,7 +62,13 @@ def test_a_ticket_leads_the_decoder_straight_to_its_broker(fleet, contracts):
     with HandoffClient(target(fleet)) as prefill, HandoffClient(target(fleet)) as decode:
         result = prefill.push(MODEL, "t", 1, tensors)
         holder = rendezvous([b.address for b in fleet], MODEL, "t")[0]
-        assert read_ticket(result.ticket) == {"b": holder, "m": MODEL, "i": "t", "f": contracts[MODEL].fingerprint}
+        assert read_ticket(result.ticket) == {
+            "b": holder,
+            "m": MODEL,
+            "i": "t",
+            "f": contracts[MODEL].fingerprint,
+            "n": next(b for b in fleet if b.address == holder).incarnation,
+        }
         assert_same_bits(decode.pull(MODEL, "t", ticket=result.ticket).state, tensors)
         with pytest.raises(MalformedRequest, match="is not a hand-off ticket"):
             decode.pull(MODEL, "t", ticket="garbage")
@@ -121,7 +127,9 @@ def test_a_pull_for_a_hand_off_nobody_pushed_times_out(fleet):
 def test_a_single_broker_client_checks_its_ticket_too(broker, contracts):
     with HandoffClient(broker.address) as client:
         result = client.push(MODEL, "r", 1, seeded_tensors(contracts[MODEL]))
-        assert result.ticket == make_ticket(broker.address, MODEL, "r", contracts[MODEL].fingerprint)
+        assert result.ticket == make_ticket(
+            broker.address, MODEL, "r", contracts[MODEL].fingerprint, broker.incarnation
+        )
         client.pull(MODEL, "r", ticket=result.ticket)
 
 

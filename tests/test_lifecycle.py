@@ -420,10 +420,32 @@ def test_a_retried_pull_takes_over_its_own_broken_claim_at_once(broker, client, 
         claim = next(zombie).claim  # the broker still streams to this claim, as if the break were unnoticed
         assert isinstance(raises_handoff_error(client.pull, "wide-attention", "r", timeout=0.3), AlreadyClaimed)
         pulled = client.pull_tensors("wide-attention", "r", supersedes=claim)
-        assert [c.name for c, _ in pulled] and pulled.claim == claim + 1
+        assert [c.name for c, _ in pulled] and pulled.claim > claim
         assert_same_bits(pulled.handoff.state, tensors)
         with pytest.raises(grpc.RpcError):
             list(zombie)  # the superseded stream was cut
+    assert_holds_nothing(broker)
+
+
+def test_another_decoder_cannot_end_a_claim_by_guessing_its_number(broker, client, contracts):
+    """`supersedes` ends the caller's own broken claim; a decoder that names another's claim must not end it. Claim
+    numbers were a counter: a decoder that saw its own claim n took the next decoder's claim by naming n + 1."""
+    tensors = seeded_tensors(contracts["wide-attention"], seed=4)
+    client.push("wide-attention", "mine", 1, tensors)
+    client.push("wide-attention", "theirs", 1, tensors)
+    own = client.pull_tensors("wide-attention", "mine")
+    list(own)
+    with open_channel(broker.address) as channel:
+        holder = raw_pull(channel, "wide-attention", "theirs")
+        held = next(holder).claim
+        guesses = [own.claim + n for n in range(1, 4)] + [held - 1, held + 1]
+        for guess in guesses:
+            error = raises_handoff_error(client.pull, "wide-attention", "theirs", timeout=0.3)
+            assert isinstance(error, AlreadyClaimed)
+            pulled = client.pull_tensors("wide-attention", "theirs", supersedes=guess, timeout=0.3)
+            assert isinstance(raises_handoff_error(list, pulled), (AlreadyClaimed, WaitTimedOut)), guess
+        list(holder)  # streamed to its end, never cut (a superseded stream raises here)
+    client._confirm_claim("wide-attention", "theirs", held, 5)
     assert_holds_nothing(broker)
 
 

@@ -134,6 +134,7 @@ EXAMPLES = [
     errors.Unauthenticated("no bearer token"),
     errors.PermissionDenied("prefill-pool", "has roles prefill; PullHandoff needs decode"),
     errors.Draining(),
+    errors.BrokerRestarted("m", "h", "0a1b", "2c3d"),
     errors.HandoffCancelled("m", "r"),
     errors.InternalError(),
     errors.DigestMismatch("m", "r", "aa", "bb"),

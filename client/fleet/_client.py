@@ -74,6 +74,7 @@ class FleetClient:
         self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))  # type: ignore[arg-type]
         self._set = BrokerSet(target, refresh)
         options["options"] = FLEET_CHANNEL_OPTIONS + tuple(options.get("options", ()))  # type: ignore[arg-type]
+        options.setdefault("retry_unreachable", False)  # (a broker that cannot be reached: the next one is tried)
         self._options = options
         self._clients = BrokerClients(self._set, self._connect, LEFT_RECENTLY)
 
@@ -90,9 +91,12 @@ class FleetClient:
         self.close()
 
     def _at(self, broker: str, call: Callable[..., T]) -> T:
-        """`call(client)` with the broker's client, held for the call."""
+        """`call(client)` with the broker's client, held for the call; its error names the broker."""
         with self._clients.using(broker) as client:
-            return call(client)
+            try:
+                return call(client)
+            except HandoffError as e:
+                raise named(broker, e) from None
 
     def list_contracts(self, **kwargs: object):
         return in_order(self._set.brokers(), lambda b: self._at(b, lambda c: c.list_contracts(**kwargs)))

@@ -29,13 +29,16 @@ def named(broker: str, error: HandoffError) -> HandoffError:
 
 
 def in_order(brokers: list[str], attempt: Callable[[str], T]) -> T:
-    """The first broker in order that answers; the next on UNAVAILABLE (down or draining)."""
+    """The first broker in order that answers; the next on UNAVAILABLE (down, draining, or silent past the
+    client's keepalive: handoff_client._calls.KEEPALIVE_MS). Any error names the broker it came from."""
     last: HandoffError | None = None
     for broker in brokers:
         try:
             return attempt(broker)
         except BrokerUnavailable as e:
             last = named(broker, e)
+        except HandoffError as e:
+            raise named(broker, e) from None
     raise last or BrokerUnavailable._rebuild("no broker in the set", {})
 
 

@@ -219,6 +219,20 @@ class Draining(BrokerUnavailable):
         super().__init__("the broker is draining and takes no new hand-offs or claims; use another broker")
 
 
+class BrokerRestarted(BrokerUnavailable):
+    """The pull named the incarnation of the broker its push reached (its ticket's), and the broker at that address
+    now is another: it restarted since, and the hand-off was lost with the process that held it. Not retried."""
+
+    reason = "BROKER_RESTARTED"
+
+    def __init__(self, model: str, handoff_id: str, expected: str, incarnation: str) -> None:
+        super().__init__(
+            f"{model}/{handoff_id} was pushed to this broker's incarnation {expected}, and it is now incarnation "
+            f"{incarnation}: the broker restarted since, and the hand-off was lost with it",
+            model=model, handoff_id=handoff_id, expected=expected, incarnation=incarnation,
+        )  # fmt: skip
+
+
 class LaneBroken(BrokerUnavailable):
     """The call's lane (docs/lanes.md) was not opened within its wait, or broke, or went silent: the call ended as a
     broken stream does (a pull's claim returned at once; a push freed, or kept for its resume if resumable). The

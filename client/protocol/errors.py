@@ -28,6 +28,7 @@
     ├── BrokerBusy                    at its limit of open streams or waiting calls      RESOURCE_EXHAUSTED
     ├── BrokerUnavailable             the broker cannot be reached (BROKER_UNAVAILABLE)  UNAVAILABLE
     │   ├── Draining                  the broker is shutting down; go elsewhere
+    │   ├── BrokerRestarted           the ticket's broker restarted since the push: the hand-off is gone
     │   └── LaneBroken                the call's lane was not opened in time, or broke
     ├── CallCancelled                 cancelled by its caller, or ended by the broker    CANCELLED
     │   └── HandoffCancelled          the router cancelled the hand-off
@@ -57,6 +58,7 @@ from google.rpc import error_details_pb2, status_pb2
 from ._call_errors import (
     AlreadyClaimed,
     BrokerBusy,
+    BrokerRestarted,
     BrokerUnavailable,
     CallCancelled,
     CapacityExhausted,
@@ -104,6 +106,7 @@ __all__ = [
     "AlreadyClaimed",
     "BadChunk",
     "BrokerBusy",
+    "BrokerRestarted",
     "BrokerUnavailable",
     "CallCancelled",
     "CapacityExhausted",

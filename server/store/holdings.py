@@ -9,9 +9,10 @@ hand-offs, store.py for the rest) share one `Holdings`. Every method here runs w
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from handoff_client.protocol.contract import Contract
@@ -51,7 +52,7 @@ class Holdings:
         self.tombstones: OrderedDict[HandoffKey, Tombstone] = OrderedDict()
         self.ledger = Ledger(config.max_bytes, config.max_chunks)
         self.timers = Timers()
-        self.claim_ids = itertools.count(1)  # claims are numbered once for the store's life, across every id and rank
+        self.claim_ids = claim_numbers()
         self.draining = False
 
     def contract(self, model: str) -> Contract:
@@ -137,3 +138,11 @@ def check_id(model: str, handoff_id: str) -> None:
         raise MalformedRequest(
             f"a handoff_id must be 1..{MAX_HANDOFF_ID} printable characters, got {handoff_id[:64]!r}", model
         )
+
+
+def claim_numbers() -> Iterator[int]:
+    """Claim numbers (PullHeader.claim: what a confirm and a retry's `supersedes` name): unique for the store's life,
+    across every id and rank (a counter in the high bits), and unguessable (31 random low bits), so that no decoder
+    can end or confirm another's claim by naming its number."""
+    for n in itertools.count(1):
+        yield n << 31 | secrets.randbits(31)

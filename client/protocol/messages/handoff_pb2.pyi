@@ -54,6 +54,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CALL_CANCELLED: _ClassVar[ErrorReason]
     DEADLINE_EXCEEDED: _ClassVar[ErrorReason]
     RPC_FAILED: _ClassVar[ErrorReason]
+    BROKER_RESTARTED: _ClassVar[ErrorReason]
 LANE_SEALING_NONE: LaneSealing
 LANE_SEALING_AES_256_GCM: LaneSealing
 LANE_KIND_UNSPECIFIED: LaneKind
@@ -93,6 +94,7 @@ BROKER_UNAVAILABLE: ErrorReason
 CALL_CANCELLED: ErrorReason
 DEADLINE_EXCEEDED: ErrorReason
 RPC_FAILED: ErrorReason
+BROKER_RESTARTED: ErrorReason
 
 class Carried(_message.Message):
     __slots__ = ("name", "layer", "rows", "cols", "dtype", "heads", "head_dim", "rows_are_positions")
@@ -199,21 +201,23 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("handoff_id", "bytes", "chunks", "digest", "duplicate")
+    __slots__ = ("handoff_id", "bytes", "chunks", "digest", "duplicate", "incarnation")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     handoff_id: str
     bytes: int
     chunks: int
     digest: str
     duplicate: bool
-    def __init__(self, handoff_id: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., digest: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, handoff_id: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., digest: _Optional[str] = ..., duplicate: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "handoff_id", "supersedes", "shard", "wait_seconds", "lane_capability", "lane_kind", "lane_connections")
+    __slots__ = ("model", "handoff_id", "supersedes", "shard", "wait_seconds", "lane_capability", "lane_kind", "lane_connections", "incarnation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDES_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +226,7 @@ class PullRequest(_message.Message):
     LANE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     LANE_KIND_FIELD_NUMBER: _ClassVar[int]
     LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
     supersedes: int
@@ -230,7 +235,8 @@ class PullRequest(_message.Message):
     lane_capability: bytes
     lane_kind: LaneKind
     lane_connections: int
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., lane_capability: _Optional[bytes] = ..., lane_kind: _Optional[_Union[LaneKind, str]] = ..., lane_connections: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., lane_capability: _Optional[bytes] = ..., lane_kind: _Optional[_Union[LaneKind, str]] = ..., lane_connections: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("model", "handoff_id", "position", "fingerprint", "claim", "bytes", "chunks", "shard", "lane")
@@ -375,7 +381,7 @@ class LanesResponse(_message.Message):
     def __init__(self, lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("receiving", "ready", "claimed", "resident_bytes", "max_bytes", "oldest_seconds", "tombstones", "draining", "contracts")
+    __slots__ = ("receiving", "ready", "claimed", "resident_bytes", "max_bytes", "oldest_seconds", "tombstones", "draining", "contracts", "incarnation")
     RECEIVING_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     CLAIMED_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +391,7 @@ class StatusResponse(_message.Message):
     TOMBSTONES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     CONTRACTS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     receiving: int
     ready: int
     claimed: int
@@ -394,4 +401,5 @@ class StatusResponse(_message.Message):
     tombstones: int
     draining: bool
     contracts: _containers.RepeatedCompositeFieldContainer[Contract]
-    def __init__(self, receiving: _Optional[int] = ..., ready: _Optional[int] = ..., claimed: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., oldest_seconds: _Optional[float] = ..., tombstones: _Optional[int] = ..., draining: _Optional[bool] = ..., contracts: _Optional[_Iterable[_Union[Contract, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, receiving: _Optional[int] = ..., ready: _Optional[int] = ..., claimed: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., oldest_seconds: _Optional[float] = ..., tombstones: _Optional[int] = ..., draining: _Optional[bool] = ..., contracts: _Optional[_Iterable[_Union[Contract, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...

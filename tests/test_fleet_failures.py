@@ -1,0 +1,102 @@
+"""A fleet client never waits out its timeout for a broker that restarted or froze, against real broker processes
+(tests/broker_process.py): a ticket names its broker's incarnation, so a pull by ticket after a restart is refused
+at once, by name (BrokerRestarted); and the client's keepalive (handoff_client._calls.KEEPALIVE_MS, which the broker
+permits) finds a frozen broker (SIGSTOP: its sockets stay open, as a hung process's or one behind a partition that
+drops packets) within seconds, so a push goes to the next broker and a ticket pull ends BrokerUnavailable naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+from broker_process import BrokerProcess
+from conftest import assert_same_bits, seeded_tensors
+from handoff_client import BrokerRestarted, BrokerUnavailable, HandoffClient, HandoffError
+from handoff_client.fleet import read_ticket, rendezvous
+from handoff_client.protocol.contract import Carried, Contract
+
+SMALL = Contract("small", 64, 64, (Carried("k", 0, 64, 256, "float32"),))
+TENSORS = seeded_tensors(SMALL)
+FAST = ("--grace", "0")  # (a broker stopped with hand-offs held stops at once)
+
+
+def _brokers(stack: ExitStack, *folders: Path) -> list[BrokerProcess]:
+    """A broker process in each folder, started at once (each takes seconds to import and bind), stopped by
+    `stack`."""
+    for folder in folders:
+        folder.mkdir()
+    with ThreadPoolExecutor(len(folders)) as pool:
+        brokers = list(pool.map(lambda folder: BrokerProcess(folder, [SMALL], *FAST), folders))
+    for broker in brokers:
+        stack.callback(broker.stop)
+    return brokers
+
+
+def _raises(call, *args, **kwargs) -> tuple[HandoffError, float]:
+    started = time.monotonic()
+    with pytest.raises(HandoffError) as raised:
+        call(*args, **kwargs)
+    return raised.value, time.monotonic() - started
+
+
+def _first_on(broker: str, brokers: list[str], prefix: str) -> str:
+    """A hand-off id whose first broker in rendezvous order is `broker`."""
+    return next(f"{prefix}-{n}" for n in range(1000) if rendezvous(brokers, SMALL.model, f"{prefix}-{n}")[0] == broker)
+
+
+def test_a_pull_by_ticket_after_its_broker_restarted_is_refused_at_once_by_name(tmp_path):
+    """The ticket named only the address: the broker restarted there had no record of the hand-off, and a pull by
+    ticket waited 8 s of 8 and then said it "was not pushed"."""
+    with ExitStack() as stack:
+        other, first = _brokers(stack, tmp_path / "a", tmp_path / "b")
+        address, port = first.address, first.address.rsplit(":", 1)[1]
+        with HandoffClient(address) as client:
+            ticket = client.push(SMALL.model, "lost", 1, TENSORS).ticket
+        assert read_ticket(ticket)["n"]  # (the broker's incarnation)
+        first.stop()
+        with BrokerProcess(tmp_path / "b", [SMALL], *FAST, "--port", port) as again:
+            assert again.address == address
+            with HandoffClient(address, timeout=8) as client:
+                error, took = _raises(client.pull, SMALL.model, "lost", ticket=ticket)
+                assert isinstance(error, BrokerRestarted) and took < 1.0, (error, took)
+                error, took = _raises(lambda: list(client.pull_tensors(SMALL.model, "lost", ticket=ticket)))
+                assert isinstance(error, BrokerRestarted) and took < 1.0, (error, took)
+            with HandoffClient(f"{other.address},{address}", timeout=8) as fleet:
+                error, took = _raises(fleet.pull, SMALL.model, "lost", ticket=ticket)
+                assert isinstance(error, BrokerRestarted) and took < 1.0, (error, took)
+                assert error.fields["broker"] == address and address in error.message
+                # A ticket from this incarnation is followed as ever.
+                ticket = fleet.push(SMALL.model, _first_on(address, [other.address, address], "kept"), 1,
+                                    TENSORS).ticket  # fmt: skip
+                fields = read_ticket(ticket)
+                assert_same_bits(fleet.pull(SMALL.model, fields["i"], ticket=ticket).state, TENSORS)
+
+
+def test_a_frozen_broker_is_left_within_seconds_and_named(tmp_path):
+    """One of two brokers frozen: a push placed on it took 20.0 s of 20 and never tried the other; a ticket pull
+    took 20 s and ended DeadlineExceeded, not naming the broker."""
+    with ExitStack() as stack:
+        live, frozen = _brokers(stack, tmp_path / "a", tmp_path / "b")
+        brokers = [live.address, frozen.address]
+        with HandoffClient(",".join(brokers), timeout=20) as fleet:
+            held = _first_on(frozen.address, brokers, "held")
+            ticket = fleet.push(SMALL.model, held, 1, TENSORS).ticket  # (the fleet's connection to it is up)
+            assert read_ticket(ticket)["b"] == frozen.address
+            os.kill(frozen.pid, signal.SIGSTOP)
+            try:
+                placed = _first_on(frozen.address, brokers, "placed")
+                started = time.monotonic()
+                result = fleet.push(SMALL.model, placed, 1, TENSORS)
+                took = time.monotonic() - started
+                assert read_ticket(result.ticket)["b"] == live.address and took < 10, took
+                error, took = _raises(fleet.pull, SMALL.model, held, ticket=ticket)
+                assert type(error) is BrokerUnavailable and took < 10, (error, took)
+                assert error.fields["broker"] == frozen.address and frozen.address in error.message
+            finally:
+                os.kill(frozen.pid, signal.SIGCONT)
