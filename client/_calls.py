@@ -9,7 +9,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from .protocol.errors import BrokerBusy, BrokerUnavailable, CallCancelled, HandoffError, LaneBroken, PushAborted
+from .protocol.errors import (
+    BrokerBusy,
+    BrokerUnavailable,
+    CallCancelled,
+    HandoffError,
+    LaneBroken,
+    MalformedRequest,
+    PushAborted,
+)
 from .protocol.limits import DEFAULT_PORT, MAX_MESSAGE_BYTES
 
 RECONNECT_BACKOFF_MS = (100, 1000)
@@ -54,7 +62,12 @@ def make_channel(
 ) -> grpc.Channel:
     """A channel to `target`: TLS when given a CA or a client certificate (PEM bytes; mutual TLS with both), or
     `credentials` of any other kind; plaintext otherwise. `tls_server_name` overrides the name checked against the
-    broker's certificate."""
+    broker's certificate. A URL of HTTP (`http://`, `https://`, `grpc://`) is refused, naming the host:port meant:
+    gRPC would try to resolve the whole URL as a host name ("Misformatted domain name")."""
+    scheme, _, rest = target.partition("://")
+    if rest and scheme.lower() in URL_SCHEMES:
+        raise MalformedRequest(f"target `{target[:200]}` is a URL: a broker is reached at host:port "
+                               f"(`{rest.split('/')[0][:100]}`), a fleet at `a:1,b:2`, `dns:///NAME` or `etcd://...`")  # fmt: skip
     target = with_default_port(target)
     if tls_server_name:
         options += (("grpc.ssl_target_name_override", tls_server_name),)
@@ -63,6 +76,23 @@ def make_channel(
     if credentials is None:
         return grpc.insecure_channel(target, options=options)
     return grpc.secure_channel(target, credentials, options=options)
+
+
+URL_SCHEMES = ("http", "https", "grpc", "grpcs")
+"""What a target is not written with (gRPC's own schemes, `dns:`, `unix:`, `ipv4:`..., are not URLs of these)."""
+
+PLAINTEXT_TO_TLS = "Socket closed"
+"""What gRPC says when a plaintext channel reaches a TLS port: the broker closes the connection at its first bytes."""
+
+
+def tls_hint(error: HandoffError, plaintext: bool) -> HandoffError:
+    """`error`, where a plaintext channel could not reach its broker the way it cannot reach one serving TLS, with a
+    hint of TLS (the broker logs only an SSL handshake failure, which the caller never sees)."""
+    if not (plaintext and type(error) is BrokerUnavailable and PLAINTEXT_TO_TLS in error.message):
+        return error
+    hint = ("; if the broker serves TLS, this plaintext client cannot reach it: give it the broker's CA "
+            "(tls_root_certificates=, or --tls-ca on the command line)")  # fmt: skip
+    return BrokerUnavailable._rebuild(error.message + hint, error.fields)
 
 
 def with_default_port(target: str) -> str:

@@ -36,6 +36,7 @@ from ._calls import (
     make_channel,
     retryable_pull,
     retryable_push,
+    tls_hint,
 )
 from ._lane_choice import LaneOffers, connections_for
 from ._produced import CheckedState, is_produced, producing
@@ -121,6 +122,7 @@ class BrokerClient:
         self.retry_unreachable = retry_unreachable
         self.lane_connections = lane_connections
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._plaintext = credentials is None and not (tls_root_certificates or tls_certificate_chain)
         self._closed = False
         self._channel = make_channel(
             target, CHANNEL_OPTIONS + tuple(options), credentials, tls_root_certificates=tls_root_certificates,
@@ -200,10 +202,12 @@ class BrokerClient:
         wait_for_room: bool = True,
         resumable: bool = False,
         shard: Shard | tuple[int, int] | None = None,
+        drop_extra: bool = False,
     ) -> PushResult:
         """Hand the carried tensors after `position` tokens to the broker under `handoff_id`.
 
-        Extra entries in `tensors` are ignored; the carried ones must be exactly as declared, except that a tensor
+        A tensor the contract does not carry is refused by name (UnknownTensor), as the broker would; `drop_extra=True`
+        leaves such tensors behind. The carried ones must be exactly as declared, except that a tensor
         whose rows are positions (`Carried.rows_are_positions`) may be given either as the rows `position` tokens
         filled, `(min(position, rows), cols)`, or as the whole cache `(rows, cols)`: either way only the filled rows
         are sent, and the puller gets the same hand-off. `ttl` shortens how
@@ -228,11 +232,11 @@ class BrokerClient:
         contract = view(self.get_contract(model).at(position), part, pushing=True)
         options = {"ttl": ttl, "wait_for_room": wait_for_room, "resumable": resumable}
         if arrays is not None:
-            handoff = contract.take(position, cut_to_filled(contract, arrays))
+            handoff = contract.take(position, cut_to_filled(contract, arrays), drop_extra=drop_extra)
             return self._push_attempts(contract, handoff_id, handoff, part, timeout, **options)
         with producing(model, tensors) as made:
             made.check_first()  # (an iterable of the wrong things is refused before the broker is asked)
-            handoff = Handoff(position, CheckedState(made, contract))
+            handoff = Handoff(position, CheckedState(made, contract, drop_extra=drop_extra))
             return self._push_attempts(contract, handoff_id, handoff, part, timeout, **options)
 
     def _push_attempts(
@@ -374,7 +378,7 @@ class BrokerClient:
         try:
             return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise tls_hint(from_rpc_error(e), self._plaintext) from None
 
     def _here(self, retryable: Callable[[HandoffError], bool]) -> Callable[[HandoffError], bool]:
         """`retryable`, less a broker that could not be reached where `retry_unreachable` is off (a fleet's brokers'
@@ -394,6 +398,6 @@ class BrokerClient:
             except HandoffError as e:
                 delay = next(delays, None)
                 if self._closed or not retryable(e) or delay is None or time.monotonic() + delay >= deadline:
-                    raise
+                    raise tls_hint(e, self._plaintext) from None
                 logger.info("retrying in %.3f s after %s: %s", delay, type(e).__name__, e.message)
                 time.sleep(delay)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from difflib import get_close_matches
 from typing import TYPE_CHECKING
 
 import grpc
@@ -14,7 +15,7 @@ import numpy as np
 
 from ._calls import retryable_pull
 from ._lane_choice import describe, fell_back, open_frames
-from .protocol.contract import Carried, Contract, Handoff, check_array
+from .protocol.contract import Carried, Contract, Handoff
 from .protocol.errors import (
     AlreadyClaimed,
     BadChunk,
@@ -25,6 +26,7 @@ from .protocol.errors import (
     MalformedRequest,
     MissingTensor,
     WrongLayout,
+    WrongLength,
     from_rpc_error,
 )
 from .protocol.frames import ChunkFrame, crc32c, handoff_digest
@@ -39,19 +41,35 @@ if TYPE_CHECKING:
 
 
 def destinations(contract: Contract, into: Mapping[str, np.ndarray] | None) -> list[np.ndarray] | None:
-    """The caller's arrays for a pull, in contract order, each checked to take its tensor's bytes in place."""
+    """The caller's arrays for a pull, in contract order, each checked to take its tensor's bytes in place. A mistake
+    is the caller's `into=`, and its message says so, in shapes: MissingTensor for a carried tensor it has no array
+    for (naming a key it has that the contract does not carry and that resembles it), WrongLength for an array of
+    another size, WrongLayout for another shape, dtype, or one that is not C-contiguous and writable."""
     if into is None:
         return None
     arrays = []
     for carried in contract.carried:
         array = into.get(carried.name)
+        fields = {"model": contract.model, "tensor": carried.name, "want": carried.layout()}
+        start = f"{contract.model}: `pull(into=...)`"
         if array is None:
-            raise MissingTensor(contract.model, carried.name)
-        check_array(contract.model, carried, array)
-        if not (array.flags.c_contiguous and array.flags.writeable):
-            raise WrongLayout(contract.model, carried.name, carried.layout(), "an array that is not C-contiguous "
-                              "and writable, which the pull cannot fill in place")  # fmt: skip
-        arrays.append(array)
+            strangers = [name for name in into if name not in {c.name for c in contract.carried}]
+            like = "".join(f" (it has `{name}`: misspelled?)" for name in get_close_matches(carried.name, strangers, 1))
+            raise MissingTensor._rebuild(f"{start} has no array for `{carried.name}` ({carried.layout()}){like}: "
+                                         "give one for every carried tensor", fields)  # fmt: skip
+        if not isinstance(array, np.ndarray):
+            got = f"a {type(array).__name__}, not a numpy array"
+        elif array.shape != carried.shape or array.dtype != carried.numpy_dtype:
+            got = f"{array.shape} {array.dtype}"
+        elif not (array.flags.c_contiguous and array.flags.writeable):
+            got = f"{array.shape} {array.dtype} but not C-contiguous and writable, so it cannot be filled in place"
+        else:
+            arrays.append(array)
+            continue
+        kind = WrongLength if isinstance(array, np.ndarray) and array.size != carried.values else WrongLayout
+        message = (f"{start}'s `{carried.name}` is {got}; a buffer for it is {carried.layout()}, C-contiguous "
+                   "and writable (nothing is cast or reshaped)")  # fmt: skip
+        raise kind._rebuild(message, {**fields, "got": got})
     return arrays
 
 
