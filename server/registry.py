@@ -77,15 +77,23 @@ class EtcdRegistration:
         """A new lease, and the key put under it (so the key no longer depends on any former lease); then IN."""
         asked, timeout = time.monotonic(), timeout or self._timeout
         lease = etcd_call(self.endpoint, "lease/grant", {"TTL": self.ttl}, timeout)["ID"]
-        etcd_call(self.endpoint, "kv/put", {"key": b64(self.key), "value": b64(self.address), "lease": lease},
-                  timeout)  # fmt: skip
+        try:
+            etcd_call(self.endpoint, "kv/put", {"key": b64(self.key), "value": b64(self.address), "lease": lease},
+                      timeout)  # fmt: skip
+        except BaseException:
+            self._revoke(lease)  # (a lease for a key never put: each retry every third of the TTL would add one)
+            raise
         former, self._lease, self._renewed = self._lease, lease, asked
         if former is not None:
-            try:  # (it holds no key now; revoked so it does not linger if etcd still had it)
-                etcd_call(self.endpoint, "lease/revoke", {"ID": former}, self._timeout)
-            except OSError:
-                pass
+            self._revoke(former)  # (it holds no key now; revoked so it does not linger if etcd still had it)
         self._set(True)
+
+    def _revoke(self, lease: str) -> None:
+        """Revoke `lease`, as far as etcd can be reached (a lease nobody keeps alive lapses after its TTL anyway)."""
+        try:
+            etcd_call(self.endpoint, "lease/revoke", {"ID": lease}, self._timeout)
+        except OSError:
+            pass
 
     def _set(self, registered: bool) -> None:
         if registered != self.registered:

@@ -103,3 +103,43 @@ def test_brokers_join_and_leave_the_set_through_etcd(etcd, start_broker, contrac
         fleet.push(MODEL, "after", 1, tensors)
         assert_same_bits(fleet.pull(MODEL, "after", timeout=5).state, tensors)
         assert members(fleet) == {first.address}
+
+
+def test_a_lease_whose_put_failed_is_revoked():
+    """Registering takes a lease, then puts the key under it; when the put fails (etcd refusing it: its space
+    quota, a request too large) the lease is revoked, not left to hang on (the broker retries every third of its
+    TTL, each try taking another). A gateway that grants and refuses every put stands in for etcd here."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from handoff_broker.registry import EtcdRegistration
+
+    calls: list[tuple[str, dict]] = []
+
+    class Gateway(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # (http.server calls it by this name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            calls.append((self.path, body))
+            answer = {"/v3/lease/grant": (200, {"ID": "7", "TTL": "5"}), "/v3/kv/put": (500, {"error": "quota"})}
+            status, payload = answer.get(self.path, (200, {}))
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        registration = EtcdRegistration(f"etcd://127.0.0.1:{server.server_port}/fleet", "10.0.0.1:50051", 5)
+        with pytest.raises(OSError):
+            registration.start()
+        assert [path for path, _ in calls] == ["/v3/lease/grant", "/v3/kv/put", "/v3/lease/revoke"]
+        assert calls[-1][1] == {"ID": "7"}
+    finally:
+        server.shutdown()
+        server.server_close()
