@@ -138,8 +138,10 @@ class PulledTensors:
         timeout: float,
         arrays: list[np.ndarray] | None = None,
         request: pb.PullRequest | None = None,
+        pushing: bool = False,
     ) -> None:
         self._client = client
+        self._pushing = pushing  # an audit read of a part as its rank pushed it (_audit_read.py)
         self._declared = declared
         self._shard = shard
         self._arrays = arrays
@@ -178,7 +180,8 @@ class PulledTensors:
             self._stream.cancel()  # the broker returns the claim at once, for the next pull
             raise
         model, shard = self._declared.model, shard_to_proto(self._shard)
-        self._client._confirm_claim(model, self._handoff_id, header.claim, self._timeout, shard)
+        if not self._request.audit:  # (an audit read claims nothing: there is nothing to confirm)
+            self._client._confirm_claim(model, self._handoff_id, header.claim, self._timeout, shard)
         self._handoff = handoff
 
     def _translated(self) -> Iterator[tuple[Carried, np.ndarray]]:
@@ -207,7 +210,7 @@ class PulledTensors:
         self.claim, self.position = header.claim, header.position
         if header.fingerprint != self._declared.fingerprint:
             raise FingerprintMismatch(model, header.fingerprint, self._declared.fingerprint)
-        contract = view(self._declared.at(header.position), self._shard, pushing=False)
+        contract = view(self._declared.at(header.position), self._shard, pushing=self._pushing)
         if self._arrays is None:
             arrays = [np.empty(c.shape, c.numpy_dtype) for c in contract.carried]
         else:  # the caller's cache arrays: the filled rows of each, a contiguous view

@@ -1,12 +1,20 @@
-"""A pull's stream as its handler and its interrupt share it, and the header that opens the stream."""
+"""A pull's stream as its handler and its interrupt share it, the header that opens the stream, and an audit read's
+stream (PullRequest.audit: the store's audits.py)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from typing import Any
+
 from handoff_client.protocol.messages import handoff_pb2 as pb
+from handoff_client.protocol.shards import Shard
 
 from .admission import HeldWhileRunning
 from .lane_calls import LaneCall
-from .store import Claim
+from .store import Claim, Store
+
+logger = logging.getLogger(__name__)
 
 
 class PullProgress:
@@ -34,3 +42,20 @@ def pull_header(claim: Claim, shard: pb.Shard, lane: pb.Lane | None) -> bytes:
         lane=lane,
     )
     return pb.PullResponse(header=header).SerializeToString()
+
+
+def audit_stream(store: Store, request: pb.PullRequest, shard: Shard, wait: float, context: Any) -> Iterator[bytes]:
+    """An audit read's stream: the committed hand-off's header (claim 0), its chunks and its end, on this stream,
+    claiming nothing (the store's audits.py says what it takes and when it ends)."""
+    read = store.audit_read(request.model, request.handoff_id, wait, context.is_active, shard)
+    yield pull_header(read, request.shard, None)
+    sent = 0
+    while True:
+        chunks, digest = store.audit_feed(read, sent)
+        for chunk in chunks:
+            yield chunk.frame if isinstance(chunk.frame, bytes) else bytes(chunk.frame)
+        sent += len(chunks)
+        if digest is not None:
+            break
+    yield pb.PullResponse(end=pb.PullEnd(digest=digest)).SerializeToString()
+    logger.info("audit read of %s/%s: %d bytes, nothing claimed", read.model, read.handoff_id, read.nbytes)

@@ -41,7 +41,7 @@ from .lane_calls import (
 )
 from .lanes import LaneListener
 from .metrics import Metrics
-from .pull_stream import PullProgress, pull_header
+from .pull_stream import PullProgress, audit_stream, pull_header
 from .rpc import mapped, mapped_stream
 from .store import Store
 from .watchdog import Watchdog
@@ -266,6 +266,9 @@ class HandoffBrokerServicer:
         wait = _wait_budget(context)
         if request.wait_seconds:
             wait = min(wait, request.wait_seconds)
+        if request.audit:  # a read that claims nothing (pull_stream.audit_stream)
+            yield from audit_stream(self.store, request, shard_from_proto(request.model, request), wait, context)
+            return
 
         def interrupt() -> None:  # a stream whose end is on its way has nothing left to cut short
             if not progress.ending:

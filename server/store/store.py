@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 
 from handoff_client.protocol.contract import Contract
 
+from .audits import AuditReads
 from .delivery import Delivery
 from .entries import (
     WAIT_SLICE,
@@ -56,6 +57,8 @@ class Store:
         self.note_streamed = self._delivery.note_streamed
         self.release = self._delivery.release
         self.confirm = self._delivery.confirm
+        audits = AuditReads(self._h, self._closed)  # reads that claim nothing (audits.py)
+        self.audit_read, self.audit_feed = audits.read, audits.feed
         self._sweeper: threading.Thread | None = None
         self.on_idle: Callable[[], None] | None = None
         """Called by the sweeper once the store has held nothing for `trim_after` seconds since it last held
