@@ -353,10 +353,8 @@ class BrokerClient:
     def _check_ticket(self, model: str, handoff_id: str, ticket: str | None) -> str:
         """A ticket must name this hand-off and the contract this broker serves for the model; the broker
         incarnation it names ("": none, or no ticket), which the pull asks the broker to be."""
-        if ticket is None:
-            return ""
-        fields = ticket_for(ticket, model, handoff_id)
-        if fields["f"] != (served := self.get_contract(model).fingerprint):
+        fields = ticket_for(ticket, model, handoff_id) if ticket is not None else {}
+        if fields and fields["f"] != (served := self.get_contract(model).fingerprint):
             raise FingerprintMismatch(model, served, fields["f"])
         return fields.get("n", "")
 
@@ -383,9 +381,7 @@ class BrokerClient:
     def _here(self, retryable: Callable[[HandoffError], bool]) -> Callable[[HandoffError], bool]:
         """`retryable`, less a broker that could not be reached where `retry_unreachable` is off (a fleet's brokers'
         clients: the fleet tries the next broker instead of waiting here for a broker that may be frozen)."""
-        if self.retry_unreachable:
-            return retryable
-        return lambda error: type(error) is not BrokerUnavailable and retryable(error)
+        return retryable if self.retry_unreachable else lambda e: type(e) is not BrokerUnavailable and retryable(e)
 
     def _with_retries(
         self, attempt: Callable[[float], T], retryable: Callable[[HandoffError], bool], timeout: float | None

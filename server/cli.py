@@ -18,7 +18,7 @@ from handoff_client.protocol.lane import (
 )
 from handoff_client.protocol.limits import DEFAULT_PORT
 
-from . import commands
+from . import commands, status_commands
 from .flag_sources import EnvDefaults, apply_config_file, env_variable, file_default
 from .flags import (
     connections,
@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = subcommands.add_parser("status", help="what a live broker holds: hand-offs, bytes, contracts")
     _add_connection_flags(status)
     status.add_argument("--timeout", type=positive_seconds, default=5.0, help="seconds to wait for the answer (5)")
-    status.set_defaults(run=commands.status)
+    status.set_defaults(run=status_commands.status)
 
     health = subcommands.add_parser("health", help="ask a broker's gRPC health service; exit 0 when SERVING")
     _add_connection_flags(health)
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="", type=_health_service,
                         help='the health service to ask: "" (the broker itself: liveness) or handoff.v1.Fleet (in its '
                         "fleet's set: readiness) (\"\")")  # fmt: skip
-    health.set_defaults(run=commands.health)
+    health.set_defaults(run=status_commands.health)
     for choice in subcommands._choices_actions:  # each command's --help opens with what it does
         command = subcommands.choices[choice.dest]
         command.description = command.description or choice.help[0].upper() + choice.help[1:] + "."

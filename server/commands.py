@@ -283,59 +283,6 @@ def _short_prompt_bytes(contract: Contract) -> str:
     return f"{contract.at(tokens).nbytes} after {tokens} tokens"
 
 
-def health(args: argparse.Namespace) -> int:
-    """Exit 0 when the broker at --target reports SERVING over the gRPC health service (Docker's HEALTHCHECK), for
-    --service ("": the broker itself; handoff.v1.Fleet: in its fleet's set). The call is made by hand (a
-    HealthCheckRequest whose field 1 is the service's name; the response's field 1, a varint, is the status), so the
-    client-only install can run it."""
-    import grpc
-    from handoff_client import make_channel  # (grpc only: a HEALTHCHECK every 10 s stays cheap)
-
-    tls = _connection(args)
-    tls.pop("token")  # health needs none
-    with make_channel(args.target, **tls) as channel:
-        check = channel.unary_unary(HEALTH_CHECK, request_serializer=bytes, response_deserializer=bytes)
-        try:
-            service = args.service.encode()  # (at most 127 bytes, the CLI checked: one length byte)
-            response = check(b"\x0a" + bytes([len(service)]) + service if service else b"", timeout=args.timeout)
-        except grpc.RpcError as e:
-            print(f"{args.target}: {e.code().name}", file=sys.stderr)
-            return 1
-    status = response[1] if response[:1] == b"\x08" and len(response) == 2 else 0  # (every status is one byte)
-    print(f"{args.target}: {SERVING_STATUS.get(status, 'UNKNOWN')}")
-    return 0 if status == 1 else 1
-
-
-def status(args: argparse.Namespace) -> int:
-    """What a live broker holds, read over its GetStatus RPC."""
-    from handoff_client import HandoffClient, HandoffError
-
-    with HandoffClient(args.target, **_connection(args)) as client:
-        try:
-            status = client.status(timeout=args.timeout)
-        except HandoffError as e:
-            print(f"{args.target}: {e.message}", file=sys.stderr)
-            return 1
-    held = status.receiving + status.ready + status.claimed
-    print(f"{args.target}: {'DRAINING' if status.draining else 'serving'}")
-    print(
-        f"  hand-offs held: {held} ({status.receiving} receiving, {status.ready} ready, {status.claimed} claimed); "
-        f"oldest {status.oldest_seconds:.1f} s"
-    )
-    share = status.resident_bytes / status.max_bytes if status.max_bytes else 0.0
-    print(
-        f"  bytes: {status.resident_bytes} of {status.max_bytes} ({human_size(status.resident_bytes)} of "
-        f"{human_size(status.max_bytes)}, {100 * share:.1f}%); {status.tombstones} recently gone remembered"
-    )
-    for contract in status.contracts:
-        print(
-            f"  contract {contract.model}: ctx {contract.ctx}, {len(contract.carried)} tensors, "
-            f"{contract.nbytes} bytes a hand-off at the full ctx, {_short_prompt_bytes(contract)}, "
-            f"fingerprint {contract.fingerprint[:16]}"
-        )
-    return 0
-
-
 def human_size(nbytes: int) -> str:
     """A byte count as people read it: 12637986816 -> "11.8 GiB" (binary units, as --max-bytes takes them)."""
     size, unit = float(nbytes), "B"

@@ -2,7 +2,7 @@
 BrokerClient, one for each broker it talks to) and nothing of the one-broker client uses it.
 
     _client.py    FleetClient: placement by rendezvous hashing, pushes in score order or to a placed broker, pulls
-                  by ticket or by score order; `is_fleet`, `rendezvous`
+                  by ticket or by score order; `rendezvous` (`is_fleet` is protocol/targets.py's)
     _members.py   which brokers are in the set (a list, DNS, an etcd prefix), and those that left it
     _clients.py   each broker's connection: made when a call needs it, closed once nothing needs it
     _order.py     a call's way through a hand-off's brokers (the first that answers; a pull's probes); errors named
@@ -14,8 +14,9 @@ client makes them too. docs/fleet.md is the specification for a client in anothe
 
 from __future__ import annotations
 
+from ..protocol.targets import is_fleet
 from ..protocol.tickets import TICKET_PREFIX, make_ticket, read_ticket, ticket_for
-from ._client import FLEET_CHANNEL_OPTIONS, FleetClient, is_fleet, rendezvous
+from ._client import FLEET_CHANNEL_OPTIONS, FleetClient, rendezvous
 from ._members import LEFT_RECENTLY, BrokerSet
 from ._pulls import FleetPulledTensors
 

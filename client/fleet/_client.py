@@ -46,11 +46,6 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-def is_fleet(target: str) -> bool:
-    """Whether a target names several brokers (a list, a DNS name, an etcd prefix) rather than one."""
-    return "," in target or target.startswith(("dns:///", "etcd://"))
-
-
 def rendezvous(brokers: list[str], model: str, handoff_id: str) -> list[str]:
     """The brokers in the order this hand-off prefers them."""
     key = f"|{model}|{handoff_id}".encode()
