@@ -199,3 +199,23 @@ def test_a_kv_cache_dtype_the_connector_does_not_carry_is_refused_naming_it(cach
                              cache_config=SimpleNamespace(cache_dtype=cache_dtype))  # fmt: skip
     with pytest.raises(ValueError, match=f"kv_cache_dtype {cache_dtype}"):
         served_contract(config, ConnectorSettings())
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_release_s_own_config_check_refuses_sleep_mode_naming_the_connector(release):
+    """Sleep mode remaps the KV cache under the page views the worker verified at start-up: the connector answers
+    supports_sleep_mode False, and the release's own VllmConfig._verify_kv_transfer_compat (run here from its source,
+    with the installed factory loading the connector as vLLM does) refuses --enable-sleep-mode at start-up."""
+    from vllm.config import KVTransferConfig
+
+    config_class = classes(source(release, "vllm/config/vllm.py"))["VllmConfig"]
+    check = methods(config_class)["_verify_kv_transfer_compat"]
+    namespace: dict = {}
+    code = compile(ast.Module(body=[check], type_ignores=[]), f"vllm-{release}/config/vllm.py", "exec")
+    exec(code, namespace)  # noqa: S102 - the release's own check, from its wheel
+    transfer = KVTransferConfig(kv_connector="HandoffConnector", kv_connector_module_path="handoff_client.vllm",
+                                kv_role="kv_producer")  # fmt: skip
+    sleeping = SimpleNamespace(kv_transfer_config=transfer, model_config=SimpleNamespace(enable_sleep_mode=True))
+    with pytest.raises(ValueError, match="HandoffConnector does not support sleep mode"):
+        namespace["_verify_kv_transfer_compat"](sleeping)
+    assert HandoffConnector.supports_sleep_mode(transfer) is False

@@ -30,15 +30,18 @@ def loaded_params(position: int = 32) -> dict:
             "prompt_digest": digest}  # fmt: skip
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["reported-at-once", "reported-a-step-late"])
 @pytest.mark.parametrize("v2", [False, True], ids=["v1-runner", "v2-runner"])
-def test_a_preempted_and_resumed_request_is_saved_once_and_loaded_once_into_its_own_blocks(tmp_path, v2):
+def test_a_preempted_and_resumed_request_is_saved_once_and_loaded_once_into_its_own_blocks(tmp_path, v2, late):
+    """`late`: each step's finished transfers reach vLLM a step late (vLLM 0.33's fault tolerance replays a failed
+    step's): nothing is saved, loaded or released twice, and every request still ends."""
     engine = scheduler(tmp_path, v2=v2, blocks=10)  # 9 blocks of 16 for three requests growing to 108 tokens
     engine.add_request(request("loaded", LOADED, 40, loaded_params()))  # running once loaded: preempted first
     engine.add_request(request("plain", PLAIN, 60))
     engine.add_request(request("handed", HANDED, 40, {"do_remote_decode": True}))  # saved at once, then preempted
     saves, loads, preempted, resumed_as_new = [], [], set(), set()
     for _ in range(400):
-        output = step(engine)
+        output = step(engine, late)
         meta = output.kv_connector_metadata
         saves += [save.handoff_id for save in meta.saves]
         for load in meta.loads:  # into the blocks vLLM holds for the request at that step

@@ -83,10 +83,11 @@ def request(request_id: str, prompt: list[int], max_tokens: int, params: dict[st
     return Request(request_id, prompt, sampling, None)
 
 
-def step(engine: Scheduler) -> SchedulerOutput:
+def step(engine: Scheduler, late: bool = False) -> SchedulerOutput:
     """One step: vLLM schedules; each request whose scheduled tokens end its known tokens samples one; the step's
     loads end at once (`finished_recving`), as do the pushes of requests vLLM has finished (`finished_sending`), as
-    a worker half reports them."""
+    a worker half reports them. `late`: those reports reach the scheduler a step later, as vLLM 0.33's fault
+    tolerance replays a failed step's `KVConnectorOutput` at the next one."""
     output = engine.schedule()
     ids = list(output.num_scheduled_tokens)
     sampled = [[SAMPLED] if engine.requests[r].num_computed_tokens >= engine.requests[r].num_tokens else []
@@ -97,6 +98,8 @@ def step(engine: Scheduler) -> SchedulerOutput:
     released = held & set(output.finished_req_ids)
     engine._handoff_saved -= released
     transfers = KVConnectorOutput(finished_sending=released, finished_recving={load.request_id for load in meta.loads})
+    if late:
+        transfers, engine._handoff_late = getattr(engine, "_handoff_late", None), transfers
     result = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
                                kv_connector_output=transfers)  # fmt: skip
     for outputs in engine.update_from_output(output, result).values():
