@@ -300,7 +300,7 @@ def test_a_missing_tls_or_token_file_names_its_flag(capsys, tmp_path: Path):
         assert f"handoff-broker status: {flag} {gone}: No such file or directory" in err
 
 
-def test_the_config_file_takes_log_level_and_log_format_below_the_environment(tmp_path: Path):
+def test_the_config_file_takes_log_level_and_log_format_below_the_environment(capsys, tmp_path: Path):
     """Fails before the fix: `log-level: not a serve flag`, though --help and docs/configuration.md say every serve
     flag may go in the file. (Processes of their own: logging is configured once per process.)"""
     config = tmp_path / "broker.toml"
@@ -314,5 +314,6 @@ def test_the_config_file_takes_log_level_and_log_format_below_the_environment(tm
     assert done.returncode == 2 and '"level": "WARNING"' in done.stderr and "holds no hand-off" in done.stderr
     assert "holds no hand-off" not in serve('log-level = "error"').stderr
     assert '"level"' not in serve('log-format = "json"', HANDOFF_LOG_FORMAT="text").stderr  # the environment wins
-    done = serve('log-level = "chatty"')
-    assert f"{config}: log-level = 'chatty': `chatty` is not a log level" in done.stderr
+    config.write_text('log-level = "chatty"\n')
+    refused = refusal(capsys, "serve", "--config", str(config))
+    assert f"{config}: log-level = 'chatty': `chatty` is not a log level" in refused
