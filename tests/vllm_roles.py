@@ -15,7 +15,7 @@ kv_transfer_params or null), {"op": "release"} (steps until no finished request 
 {"op": "exit"}. tests/vllm_driver.py starts these processes and drives them. Settings: prompts,
 block_size, max_tokens, kv_transfer_params, kv_cache_bytes, extra (the connector's kv_connector_extra_config), and
 optionally dtype (bfloat16), tp (1: over vLLM's `mp` executor when more), max_model_len (1024), prefix_caching
-(false), max_num_seqs (vLLM's default).
+(false), max_num_seqs (vLLM's default), cpu (the CPU features vLLM's platform decides by, driven: tests/vllm_cpu.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ def start(role: str, model_dir: str, settings: dict, engine: dict):
     script's: `engine_arguments`; a script that wraps this one has its own: vllm_hybrid_roles.py, vllm_mla_roles.py)."""
     from vllm import LLM
 
+    if settings.get("cpu"):  # vLLM's platform decisions made as on a CPU with these features (tests/vllm_cpu.py)
+        from vllm_cpu import deciding_as
+
+        deciding_as(settings["cpu"])
     kv_transfer = None
     if role != "plain":
         extra = dict(settings["extra"])

@@ -4,7 +4,7 @@ status."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import grpc
 
@@ -83,13 +83,20 @@ class FingerprintMismatch(Precondition):
 
     reason = "FINGERPRINT_MISMATCH"
 
-    def __init__(self, model: str, local: str, remote: str) -> None:
+    ADVICE = "fetch the broker's contract (GetContract) or deploy the same manifest on both sides"
+
+    def __init__(
+        self, model: str, local: str, remote: str, differences: Sequence[str] = (), advice: str = ADVICE
+    ) -> None:
+        """`differences`: what differs, where the raiser holds both contracts (protocol.contract.differences), each
+        naming the field, the tensors and both values; `advice`: what to do, where the raiser knows better."""
+        differ = f"; they differ in {'; '.join(differences)}" if differences else ""
         super().__init__(
-            f"{model}: contract fingerprint mismatch. Broker: {local}, caller: {remote}; "
-            "fetch the broker's contract (GetContract) or deploy the same manifest on both sides",
+            f"{model}: contract fingerprint mismatch. Broker: {local}, caller: {remote}{differ}; {advice}",
             model=model,
             local=local,
             remote=remote,
+            differences="; ".join(differences) or None,
         )
 
 

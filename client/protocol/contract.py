@@ -257,6 +257,34 @@ def _carried_json(c: Carried) -> dict:
     return entry
 
 
+def differences(first: Contract, second: Contract, names: tuple[str, str] = ("broker", "caller")) -> list[str]:
+    """What differs between two contracts, for a person, over exactly what the fingerprint hashes (their manifests):
+    each field that differs with both values (`names` says whose) and the tensors it differs in, in contract order,
+    one entry for a field that differs the same way in many tensors (a state dtype in every recurrent layer); the
+    tensors only one of them carries; their order. Empty for equal contracts."""
+    one, two = first.to_json(), second.to_json()
+    found: dict[tuple[str, str, str], list[str]] = {}
+    for key in ("model", "ctx", "hidden"):
+        if one[key] != two[key]:
+            found[(key, str(one[key]), str(two[key]))] = []
+    tensors = [{c["name"]: c for c in contract["carried"]} for contract in (one, two)]
+    common = [name for name in tensors[0] if name in tensors[1]]
+    for name in common:
+        a, b = tensors[0][name], tensors[1][name]
+        for key in (key for key in {**a, **b} if a.get(key) != b.get(key)):
+            found.setdefault((key, str(a.get(key, "-")), str(b.get(key, "-"))), []).append(name)
+    out = []
+    for (key, a, b), where in found.items():
+        shown = ", ".join(f"`{name}`" for name in where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+        out.append(f"{key} {a} at the {names[0]}, {b} at the {names[1]}" + (f" ({shown})" if where else ""))
+    for mine, theirs, whose in ((0, 1, names[0]), (1, 0, names[1])):
+        if only := [name for name in tensors[mine] if name not in tensors[theirs]]:
+            out.append(f"{len(only)} tensor(s) only at the {whose} (`{only[0]}`{', ...' if len(only) > 1 else ''})")
+    if common != [name for name in tensors[1] if name in tensors[0]]:
+        out.append("the order of the tensors")
+    return out
+
+
 def cut_to_filled(contract: Contract, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """`tensors` with every array given at its tensor's declared rows, where the hand-off carries fewer, cut to its
     filled rows (a view, no copy): a prefill worker may pass its whole cache arrays, and only the filled rows are

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from handoff_client.protocol.contract import MODEL_NAME, Contract
+from handoff_client.protocol.contract import MODEL_NAME, Contract, differences
+from handoff_client.protocol.errors import FingerprintMismatch
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 30.0
@@ -133,3 +134,24 @@ def served_contract(vllm_config: Any, settings: ConnectorSettings, state_dtype: 
         model=name,
         state_dtype=state_dtype or DEFAULT_STATE_DTYPE,
     )
+
+
+def broker_mismatch(served: Contract, engine: Contract, state_dtype: str | None) -> FingerprintMismatch:
+    """The broker serves another contract for the model than the one this engine derives (`served_contract`): the
+    error names what differs (protocol.contract.differences: field, tensors, both values) and the broker flags that
+    serve the engine's contract, its recurrent-state dtype (`state_dtype`) the one vLLM allocates, which on CPUs
+    with AVX-512 BF16 vLLM's CPU build makes float32 for `auto` (docs/vllm.md#cpus)."""
+    flags = [f"--config-ctx {engine.ctx}"]
+    flags += [f"--config-dtype {c.dtype}" for c in engine.carried if c.rows_are_positions][:1]
+    flags += [f"--config-state-dtype {state_dtype}"] if state_dtype else []
+    advice = (
+        f"serve this engine's contract at the broker (`handoff-broker serve --model-config {engine.model}=DIR "
+        f"{' '.join(flags)}`, or contract-from-config the same), or start vLLM so that it derives the broker's"
+    )
+    if state_dtype:
+        advice += (
+            f"; vLLM allocates this engine's recurrent state in {state_dtype} (its mamba_ssm_cache_dtype as resolved: "
+            "`auto` on a CPU with AVX-512 BF16 gives float32; docs/vllm.md#cpus)"
+        )
+    found = differences(served, engine, ("broker", "engine"))
+    return FingerprintMismatch(engine.model, served.fingerprint, engine.fingerprint, found, advice)

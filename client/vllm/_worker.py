@@ -4,7 +4,7 @@ At start-up (`register_kv_caches`) it maps each layer to its KV-cache group and 
 sliding window's ring, a recurrent state page), learns the page layout of the attention backend vLLM chose
 (_layouts.py; an unknown one is refused, by name), an MLA layer's latent pages (_mla_pages.py) or the state page's
 (_state_pages.py), and checks that the broker serves this model's contract with the same fingerprint (a broker
-serving another contract is refused, naming both fingerprints).
+serving another contract is refused, naming both fingerprints and what differs: field, tensors, values).
 
 Producer: nothing runs on the forward pass. `wait_for_save`, at the end of the step that computed a prompt's last
 token, hands the request to a background sender, which copies each layer's keys and values for the prompt's rows out
@@ -57,17 +57,17 @@ import torch
 from handoff_client import HandoffClient, HandoffError
 from handoff_client._torch import from_numpy, to_numpy
 from handoff_client.protocol.contract import Contract
-from handoff_client.protocol.errors import FingerprintMismatch, WaitTimedOut
+from handoff_client.protocol.errors import WaitTimedOut
 from handoff_client.protocol.shards import Shard
 
 from ._copy_out import CopyOut
-from ._groups import GroupMap, Kind, group_map
+from ._groups import GroupMap, Kind, engine_state_dtype, group_map
 from ._layouts import Geometry, PageLayout, layout_for
 from ._mla_pages import LatentMover, latent_mover
 from ._movers import AttentionMover, StateMover, bound_views, layer_windows, state_mover
 from ._pages import cache_writer
 from ._scheduler import HandoffConnectorMetadata, LoadSpec, SaveSpec
-from ._settings import ConnectorSettings
+from ._settings import ConnectorSettings, broker_mismatch
 from ._stats import HandoffConnectorStats
 from ._tp import check_kv_heads, rank_contracts, tp_shard
 from ._transfers import Transfers
@@ -189,10 +189,8 @@ class WorkerHalf:
 
     def _check_broker_contract(self) -> None:
         served = self.client.get_contract(self.contract.model)
-        if served.fingerprint != self.contract.fingerprint:
-            raise FingerprintMismatch(
-                self.contract.model, served.fingerprint, self.contract.fingerprint
-            )  # names both: the broker's, and the one this engine's model and cache dtype make
+        if served.fingerprint != self.contract.fingerprint:  # names both, what differs, and the broker's flags
+            raise broker_mismatch(served, self.contract, engine_state_dtype(self.kv_cache_config))
 
     @contextlib.contextmanager
     def _on_own_stream(self, after: torch.cuda.Event | None = None) -> Iterator[None]:
