@@ -138,7 +138,8 @@ class BrokerClient:
             unary("CancelHandoff"),
         )
         get_lanes = unary("GetLanes")
-        self.lane_offers = LaneOffers(lambda: get_lanes(pb.LanesRequest(), timeout=self.timeout, metadata=self._metadata),
+        self.lane_offers = LaneOffers(lambda model: get_lanes(pb.LanesRequest(model=model), timeout=self.timeout,
+                                                            metadata=self._metadata),
                                       lanes=lanes, shared_memory=shared_memory)  # fmt: skip
         # The two streams carry chunk frames, encoded and decoded by hand (protocol/frames.py).
         self._push = self._channel.stream_unary(
@@ -268,10 +269,10 @@ class BrokerClient:
         """Whether this client takes the broker's lanes at all (`lanes=False`: every hand-off on the streams)."""
         return self.lane_offers.lanes
 
-    def lane(self, nbytes: int | None = None) -> pb.Lane | None:
+    def lane(self, nbytes: int | None = None, model: str = "") -> pb.Lane | None:
         """The lane a hand-off of `nbytes` takes (None: whichever a large one would), or None for the streams
         (_lane_choice.LaneOffers.lane)."""
-        return self.lane_offers.lane(nbytes)
+        return self.lane_offers.lane(nbytes, model)
 
     # -- decode side --------------------------------------------------------------------------------------------------
 
@@ -333,7 +334,7 @@ class BrokerClient:
         declared = self.get_contract(model)
         deadline = self.timeout if timeout is None else timeout
         wire_shard = shard_to_proto(part)
-        lane = self.lane() if lanes else None
+        lane = self.lane(model=model) if lanes else None
         request = pb.PullRequest(
             model=model,
             handoff_id=handoff_id,

@@ -32,7 +32,7 @@ class LaneOffers:
     """The lanes one broker offers one client, asked once (`ask`: its GetLanes call), and which this client can
     reach: which a hand-off of a size takes, and which to leave alone after it could not be reached."""
 
-    def __init__(self, ask: Callable[[], pb.LanesResponse], *, lanes: bool, shared_memory: bool) -> None:
+    def __init__(self, ask: Callable[[str], pb.LanesResponse], *, lanes: bool, shared_memory: bool) -> None:
         self.ask = ask
         self.lanes = lanes  # False: every hand-off on the streams
         self.offers: list[pb.Lane] = []
@@ -40,8 +40,9 @@ class LaneOffers:
         self.shared_memory = shared_memory  # (and until the shared-memory lane turns out unreachable from here)
         self.tcp_unreachable_until = 0.0  # (time.monotonic(): until then the TCP lane is not tried)
 
-    def lane(self, nbytes: int | None = None) -> pb.Lane | None:
-        """The lane a hand-off of `nbytes` takes (None: whichever a large one would), or None for the streams: the
+    def lane(self, nbytes: int | None = None, model: str = "") -> pb.Lane | None:
+        """The lane a hand-off of `nbytes` (of `model`: a token scoped to models asks for lanes naming one) takes
+        (None: whichever a large one would), or None for the streams: the
         shared-memory lane when this client shares the broker's host, else the TCP lane, if this client takes lanes
         and the hand-off is at least the lane's `min_bytes` (the offers are asked once; a broker that does not know
         GetLanes offers none)."""
@@ -49,7 +50,7 @@ class LaneOffers:
             return None
         if not self.asked:
             try:
-                response = self.ask()
+                response = self.ask(model)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     return None  # not known now: this call goes on the stream, and the next one asks again

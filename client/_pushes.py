@@ -93,7 +93,7 @@ class PushAttempts:
     def run(self, timeout: float) -> pb.PushResponse:
         self.attempts += 1
         held = self._held(timeout) if self.resumable and self.attempts > 1 else None
-        lane = self.client.lane(self.contract.nbytes) if self.lanes else None
+        lane = self.client.lane(self.contract.nbytes, self.contract.model) if self.lanes else None
         try:
             if lane is None:
                 frames = self._stream_frames(self._header(held is not None), held)

@@ -66,6 +66,16 @@ def authorize_model(model: str) -> None:
         raise PermissionDenied(caller.name, f"is not scoped to model `{model}`", model)
 
 
+def authorize_lanes(model: str) -> None:
+    """Inside GetLanes: a caller whose token is scoped to models names one of them (`model`), as every call on one
+    model does; an unscoped caller may name none."""
+    caller = _caller.get()
+    if caller is not None and caller.models is not None and not model:
+        raise PermissionDenied(caller.name, "is scoped to models: GetLanes must name one (LanesRequest.model)")
+    if model:
+        authorize_model(model)
+
+
 def may_see(model: str) -> bool:
     """Inside a call: whether the caller's token covers `model` (for listing contracts)."""
     caller = _caller.get()

@@ -29,7 +29,7 @@ from handoff_client.protocol.messages import handoff_pb2 as pb
 from handoff_client.protocol.wire import Malformed, contract_to_proto, shard_from_proto
 
 from .admission import Admission, HeldWhileRunning
-from .auth import authorize_model, may_see
+from .auth import authorize_lanes, authorize_model, may_see
 from .lane_calls import (
     LaneCall,
     check_lane_request,
@@ -379,6 +379,7 @@ class HandoffBrokerServicer:
 
     @mapped
     def GetLanes(self, request: pb.LanesRequest, context: grpc.ServicerContext) -> pb.LanesResponse:
+        authorize_lanes(request.model)
         return pb.LanesResponse(lanes=self.offers)
 
     @mapped

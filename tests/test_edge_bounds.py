@@ -92,3 +92,29 @@ def test_header_only_calls_without_a_token_hold_no_thread_and_status_answers(sec
         never.set()
         for channel in channels:
             channel.close()
+
+
+def test_get_lanes_respects_a_token_scoped_to_models(start_broker, tmp_path):
+    """GetLanes (the shared-memory lane's socket path, the host's boot id) answered a token scoped to one model
+    whatever it asked about; now a scoped token names one of its models, as every call on one model does."""
+    from handoff_broker.auth import TokenTable
+    from handoff_client.protocol.messages import handoff_pb2 as pb
+
+    path = tmp_path / "scoped.json"
+    entry = {"name": "demo-only", "sha256": hash_token("scoped"), "roles": ["prefill"], "models": ["demo-hybrid"]}
+    path.write_text(json.dumps({"tokens": [entry]}))
+    broker = start_broker(tokens=TokenTable.load(path))
+    metadata = (("authorization", "Bearer scoped"),)
+    with grpc.insecure_channel(broker.address) as channel:
+        lanes = channel.unary_unary(
+            method_path("GetLanes"),
+            request_serializer=pb.LanesRequest.SerializeToString,
+            response_deserializer=pb.LanesResponse.FromString,
+        )
+        for model in ("", "every-dtype"):
+            with pytest.raises(grpc.RpcError) as refused:
+                lanes(pb.LanesRequest(model=model), timeout=5, metadata=metadata)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, model
+        assert lanes(pb.LanesRequest(model="demo-hybrid"), timeout=5, metadata=metadata).lanes
+    with HandoffClient(broker.address, token="scoped") as client:  # (the client names the model it moves)
+        assert client.lane(model="demo-hybrid") is not None

@@ -373,8 +373,10 @@ class Lane(_message.Message):
     def __init__(self, kind: _Optional[_Union[LaneKind, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., min_bytes: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[str] = ..., sealing: _Optional[_Union[LaneSealing, str]] = ..., max_connections: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., salted_keys: _Optional[bool] = ...) -> None: ...
 
 class LanesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class LanesResponse(_message.Message):
     __slots__ = ("lanes",)
