@@ -219,3 +219,35 @@ def test_the_release_s_own_config_check_refuses_sleep_mode_naming_the_connector(
     with pytest.raises(ValueError, match="HandoffConnector does not support sleep mode"):
         namespace["_verify_kv_transfer_compat"](sleeping)
     assert HandoffConnector.supports_sleep_mode(transfer) is False
+
+
+def request_of(release: str, names: tuple[str, ...]) -> type:
+    """A class with `names` of the release's own `Request` (methods and properties, run from its wheel's source)."""
+    found = methods(classes(source(release, "vllm/v1/request.py"))["Request"])
+    tree = ast.Module(body=[ast.ClassDef(name="Request", bases=[], keywords=[], decorator_list=[], type_params=[],
+                                         body=[found[name] for name in names])], type_ignores=[])  # fmt: skip
+    namespace: dict = {}
+    exec(compile(ast.fix_missing_locations(tree), f"vllm-{release}/v1/request.py", "exec"), namespace)  # noqa: S102
+    return namespace["Request"]
+
+
+def test_a_request_cut_short_on_0_34_loses_the_block_hash_over_its_dropped_token_and_a_bounded_one_is_not_cut():
+    """vLLM 0.34 hashes a request's blocks when it is made; cutting the last prompt token (the last-token rule,
+    _last_token.truncate) must drop the hash of the block that held it, as 0.34's NIXL does
+    (`truncate_block_hashes`), or the prefix cache keys a block of 31 tokens by 32 tokens' hash. And 0.34 names a
+    request that reads no external KV `skip_reading_external_kv` (0.32's get_skip_reading_prefix_cache is gone):
+    such a request is not cut, so not handed off."""
+    from handoff_client.vllm._last_token import truncate
+
+    cls = request_of("0.34.0", ("truncate_block_hashes", "num_tokens", "skip_reading_external_kv"))
+    prompt = list(range(32))
+    request = cls()
+    request.__dict__.update(prompt_token_ids=list(prompt), _all_token_ids=list(prompt), num_prompt_tokens=32,
+                            max_tokens=9, kv_transfer_params={"do_remote_decode": True}, block_hashes=[b"h0", b"h1"],
+                            _prompt_embeds_per_block_hashes={}, prefix_cache_hit_limit=None)  # fmt: skip
+    assert truncate(request, 16) is None
+    assert request.num_tokens == 31 and request.block_hashes == [b"h0"] and request.max_tokens == 1
+    bounded = cls()
+    bounded.__dict__.update(prompt_token_ids=list(prompt), _all_token_ids=list(prompt), num_prompt_tokens=32,
+                            kv_transfer_params={}, prefix_cache_hit_limit=5)  # fmt: skip
+    assert "reads no cached tokens" in truncate(bounded, 16) and bounded.num_prompt_tokens == 32

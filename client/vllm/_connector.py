@@ -43,7 +43,8 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerHalf(self.settings, self.contract, self.groups, transfer.engine_id,
-                                           transfer.is_kv_producer, transfer.is_kv_consumer)  # fmt: skip
+                                           transfer.is_kv_producer, transfer.is_kv_consumer,
+                                           getattr(kv_cache_config, "hash_block_size", None))  # fmt: skip
         else:
             self.worker = WorkerHalf(self.settings, self.contract, vllm_config, kv_cache_config)
 

@@ -40,11 +40,12 @@ TRUNCATED = "_handoff_truncated"
 """The `kv_transfer_params` key marking a request already cut short (a preempted request comes back: cut once)."""
 
 
-def truncate(request: Any) -> str | None:
+def truncate(request: Any, hash_block_size: int | None = None) -> str | None:
     """Producer: drop the last prompt token of a request to be handed off under a contract that stops short, as
-    NIXL's `_truncate_request_for_prefill` does (prompt_token_ids, _all_token_ids, num_prompt_tokens; max_tokens 1).
-    Idempotent (a marker in its kv_transfer_params). Returns None when done, else why the request cannot be cut
-    (then it must not be handed off)."""
+    NIXL's `_truncate_request_for_prefill` does (prompt_token_ids, _all_token_ids, num_prompt_tokens; max_tokens 1;
+    on vLLM 0.34 also the block hashes over the dropped token, `truncate_block_hashes` by `hash_block_size`, the
+    KV-cache config's). Idempotent (a marker in its kv_transfer_params). Returns None when done, else why the request
+    cannot be cut (then it must not be handed off)."""
     params = request.kv_transfer_params
     if params.get(TRUNCATED):
         return None
@@ -52,13 +53,15 @@ def truncate(request: Any) -> str | None:
         return "a prompt of embeddings, not token ids"
     if request.num_prompt_tokens < 2:
         return f"a prompt of {request.num_prompt_tokens} token(s)"
-    skips = getattr(request, "get_skip_reading_prefix_cache", None)
-    if skips is not None and skips():
+    skips = getattr(request, "get_skip_reading_prefix_cache", None)  # vLLM 0.32, 0.33; 0.34: skip_reading_external_kv
+    if (skips is not None and skips()) or getattr(request, "skip_reading_external_kv", False) is True:
         return "a request that reads no cached tokens (prompt logprobs): its decoder recomputes it whole"
     del request.prompt_token_ids[-1]
     del request._all_token_ids[-1]
     request.num_prompt_tokens -= 1
     request.max_tokens = 1
+    if hash_block_size and hasattr(request, "truncate_block_hashes"):  # (no speculator: check_engine, so no lookahead)
+        request.truncate_block_hashes(hash_block_size, 0)
     params[TRUNCATED] = True
     return None
 

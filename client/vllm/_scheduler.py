@@ -120,13 +120,14 @@ class SchedulerHalf:
     """Decides which requests are pushed (producer) or pulled (consumer); builds each step's metadata."""
 
     def __init__(self, settings: ConnectorSettings, contract: Contract, groups: GroupMap, engine_id: str,
-                 producer: bool, consumer: bool) -> None:  # fmt: skip
+                 producer: bool, consumer: bool, hash_block_size: int | None = None) -> None:  # fmt: skip
         self.settings = settings
         self.contract = contract
         self.groups = groups
         self.engine_id = engine_id
         self.producer = producer
         self.consumer = consumer
+        self.hash_block_size = hash_block_size  # vLLM 0.34's KVCacheConfig.hash_block_size (None before)
         self._wanted: dict[str, str] = {}  # producer: request to hand off -> its prompt's digest
         self._blocks: dict[str, BlockIds] = {}  # producer: each unsaved request's blocks so far, per group
         self._prompt: dict[str, int] = {}
@@ -160,7 +161,7 @@ class SchedulerHalf:
             logger.debug("request %s: a prompt of %d token(s) has nothing to hand over (the decoder computes its "
                          "last token itself); nothing is pushed", request.request_id, len(tokens))  # fmt: skip
             return
-        if stops_short(self.contract) and (why := truncate(request)) is not None:
+        if stops_short(self.contract) and (why := truncate(request, self.hash_block_size)) is not None:
             logger.info("request %s is not handed off: %s cannot stop one token short (the last-token rule of a "
                         "contract that cannot be rewound)", request.request_id, why)  # fmt: skip
             return
