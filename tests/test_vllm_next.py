@@ -11,6 +11,7 @@ here); without them these tests skip, naming that step. Only the Python sources 
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import os
 import re
@@ -251,3 +252,43 @@ def test_a_request_cut_short_on_0_34_loses_the_block_hash_over_its_dropped_token
     bounded.__dict__.update(prompt_token_ids=list(prompt), _all_token_ids=list(prompt), num_prompt_tokens=32,
                             kv_transfer_params={}, prefix_cache_hit_limit=5)  # fmt: skip
     assert "reads no cached tokens" in truncate(bounded, 16) and bounded.num_prompt_tokens == 32
+
+
+CLIENT_VLLM = Path(__file__).resolve().parent.parent / "client" / "vllm"
+
+
+def vllm_imports() -> set[tuple[str, str]]:
+    """(module, name) of every `from vllm... import name` in the connector's modules, wherever it is imported."""
+    found = set()
+    for path in CLIENT_VLLM.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vllm":
+                found |= {(node.module, alias.name) for alias in node.names}
+    return found
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_vllm_name_the_connector_imports_is_in_the_release(release):
+    """A name gone from a release would fail the connector at start-up, or only on the path that imports it (the
+    CPU pages, Mamba2's orientation): each is read in the release's own module (a def, a class, an assignment or an
+    import of it), or is a module of its own."""
+    missing = []
+    for module, name in sorted(vllm_imports()):
+        base = module.replace(".", "/")
+        try:
+            text = source(release, f"{base}.py")
+        except KeyError:
+            text = source(release, f"{base}/__init__.py")
+        defined = {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {t.id for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)}  # fmt: skip
+        defined |= {a.asname or a.name for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Import, ast.ImportFrom))
+                    for a in n.names}  # fmt: skip
+        if name not in defined and not re.search(
+            rf"\b{name}\b", text.split("__all__")[-1] if "__all__" in text else ""
+        ):
+            with contextlib.suppress(KeyError):
+                source(release, f"{base}/{name}.py")
+                continue
+            missing.append(f"{module}.{name}")
+    assert not missing, f"vLLM {release} has no {', '.join(missing)}"
