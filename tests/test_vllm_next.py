@@ -292,3 +292,35 @@ def test_every_vllm_name_the_connector_imports_is_in_the_release(release):
                 continue
             missing.append(f"{module}.{name}")
     assert not missing, f"vLLM {release} has no {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_vllm_function_the_connector_imports_takes_the_same_parameters_as_in_0_32(release):
+    """The connector calls them as vLLM 0.32 (installed, run end to end) defines them: a parameter renamed, added
+    without a default or moved in a release would be a wrong call there. (0.33 added two defaulted parameters to
+    mamba_chunk_scan_combined_varlen, final_states_out and final_state_indices, after 0.32's: no call changes.)"""
+    import importlib
+
+    changed = []
+    for module, name in sorted(vllm_imports()):
+        installed = getattr(importlib.import_module(module), name, None) if module != "vllm" else None
+        if not inspect.isfunction(installed):
+            continue
+        base = installed.__module__.replace(".", "/")  # (where 0.32 defines it, when the module re-exports it)
+        try:
+            text = source(release, f"{base}.py")
+        except KeyError:
+            text = source(release, f"{base}/__init__.py")
+        theirs = next((n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+        if theirs is None:
+            changed.append(f"{module}.{name}: not defined in {installed.__module__} any more")
+            continue
+        args = theirs.args
+        required = len(args.args) - len(args.defaults)
+        theirs_shape = [(a.arg, i >= required) for i, a in enumerate(args.args)]
+        ours_shape = [(p.name, p.default is not p.empty) for p in inspect.signature(installed).parameters.values()
+                      if p.kind is p.POSITIONAL_OR_KEYWORD]  # fmt: skip
+        added = theirs_shape[len(ours_shape) :]  # (parameters added after 0.32's, with defaults, change no call)
+        if theirs_shape[: len(ours_shape)] != ours_shape or not all(default for _, default in added):
+            changed.append(f"{module}.{name}: {theirs_shape} (0.32: {ours_shape})")
+    assert not changed, f"vLLM {release} changed: {'; '.join(changed)}"
