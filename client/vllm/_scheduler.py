@@ -12,14 +12,18 @@ prompt_digest}. A 1-token prompt has nothing to hand over (the decoder computes 
 pushed. Under a contract that cannot be rewound (recurrent state, a sliding window's ring) a handed-off request's
 last prompt token is dropped before it is scheduled and the hand-off is at N - 1 (the last-token rule,
 _last_token.py); block ids are kept per KV-cache group (_groups.py). Each step's metadata also names the requests
-vLLM preempted in it, whose pages it freed: the worker lets no
-copy still read them once the next forward pass may write them.
+vLLM preempted in it, whose pages it freed: the worker lets no copy still read them once the next forward pass may
+write them. A request is saved once: resumed after a preemption it comes back among the cached requests
+(`resumed_req_ids`, vLLM's V1 model runner) or among the new ones (its V2 runner, and vLLM 0.34 always), and either
+way its hand-off already holds its prompt. The hand-off id is `handoff_id_for`'s, within the broker's 256
+characters whatever the client's request id.
 
 Consumer (`kv_consumer`, `kv_both`): a request whose `kv_transfer_params` carry a `handoff_id` (and do not set
 `do_remote_prefill` false) has its first `position` prompt tokens loaded asynchronously (vLLM then computes only the
 last prompt token); the load entry names the request's freshly allocated blocks, and the worker pulls the hand-off
 straight into them. The right KV for the right prompt: `prompt_digest` (a digest of the prompt's first `position`
-token ids, also the hand-off id's last part) must equal the digest of the request's own tokens, else nothing is
+token ids and of what else makes their KV differ: multimodal items, LoRA adapter, cache salt; `request_digest`; also
+the hand-off id's last part) must equal the digest of the request's own, else nothing is
 loaded and vLLM computes the prompt itself; the refusal is logged with its reason and counted
 (`vllm:handoff_refused_loads`). Params without a digest (today's routers) load as before. So is, by the last-token
 rule, a hand-off of all N prompt tokens under a contract that cannot be rewound.
