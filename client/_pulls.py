@@ -208,6 +208,9 @@ class PulledTensors:
         if not isinstance(header, pb.PullHeader):
             raise MalformedRequest("the broker's pull stream did not start with a header", model)
         self.claim, self.position = header.claim, header.position
+        if self._request.audit and header.claim:  # a broker that knows no audit reads claimed it: give it back now
+            raise MalformedRequest("the broker answered an audit read with a claim (a release without audit reads, "
+                                   "PullRequest.audit); the read is cancelled, which gives the claim back", model)  # fmt: skip
         if header.fingerprint != self._declared.fingerprint:
             raise FingerprintMismatch(model, header.fingerprint, self._declared.fingerprint)
         contract = view(self._declared.at(header.position), self._shard, pushing=self._pushing)

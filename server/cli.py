@@ -18,7 +18,7 @@ from handoff_client.protocol.lane import (
 )
 from handoff_client.protocol.limits import DEFAULT_PORT
 
-from . import commands, status_commands
+from . import audit_command, commands, status_commands
 from .flag_sources import EnvDefaults, apply_config_file, env_variable, file_default
 from .flags import (
     connections,
@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--count", type=count(1, 1 << 62, "a number of hand-offs"), help="stop after this many (default: never)"
     )
     traffic.set_defaults(run=commands.traffic)
+
+    audit_command.add_parser(subcommands, _add_connection_flags)  # (a client command: the transformers extra)
 
     hashing = subcommands.add_parser("hash-token", help="print the sha256 a token file stores, for a token on stdin")
     hashing.set_defaults(run=commands.hash_token_command)

@@ -25,7 +25,8 @@ class BrokerProcess:
         manifests.mkdir(exist_ok=True)
         for contract in contracts:
             (manifests / f"{contract.model}.json").write_text(json.dumps(contract.to_json()))
-        command = [*COMMAND, "--contracts", str(manifests), "--metrics-port", "-1", *args]
+        folder_flag = ["--contracts", str(manifests)] if contracts else []  # (none: `args` give them, --model-config)
+        command = [*COMMAND, *folder_flag, "--metrics-port", "-1", *args]
         self.client_options: dict[str, object] = {}
         if tls:
             ca = Authority("handoff test CA")

@@ -8,8 +8,10 @@ import threading
 import numpy as np
 import pytest
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
-from handoff_client import HandoffCancelled, HandoffGone, ShardMismatch, WaitTimedOut
+from handoff_client import HandoffCancelled, HandoffGone, MalformedRequest, ShardMismatch, WaitTimedOut
 from handoff_client._audit_read import read_handoff, read_part
+from handoff_client._pulls import PulledTensors
+from handoff_client.protocol.messages import handoff_pb2 as pb
 from handoff_client.protocol.shards import WHOLE, Shard, shard_arrays
 
 
@@ -74,3 +76,20 @@ def test_a_sharded_hand_off_is_read_part_by_part_and_joined(client, contracts):
     assert_same_bits(dict(joined.state), tensors)
     pulled = client.pull(contract.model, "tp")
     assert all(np.array_equal(pulled.state[n].view(np.uint8), tensors[n].view(np.uint8)) for n in tensors)
+
+
+def test_a_broker_that_answers_an_audit_read_with_a_claim_gets_it_back_at_once(client, contracts):
+    """A broker of a release without audit reads ignores the flag and grants a claim (here: the request the broker
+    gets carries no flag, the reader's does): the reader refuses the read and cancels it, so the claim goes back at
+    once and the decoder's pull is served without waiting out a lease."""
+    contract = contracts["demo-hybrid"]
+    tensors = seeded_tensors(contract.at(4), seed=7)
+    client.push(contract.model, "old", 4, tensors)
+    asked = pb.PullRequest(model=contract.model, handoff_id="old", audit=True)
+    served = pb.PullRequest(model=contract.model, handoff_id="old")  # what an earlier broker acts on
+    stream = client._pull(served, timeout=10, metadata=client._metadata)
+    with pytest.raises(MalformedRequest, match="answered an audit read with a claim"):
+        for _ in PulledTensors(client, contract, WHOLE, "old", stream, 10, None, asked):
+            pass
+    pulled = client.pull(contract.model, "old", timeout=5)  # not ALREADY_CLAIMED: the claim was given back
+    assert_same_bits(dict(pulled.state), tensors)

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
@@ -22,16 +26,20 @@ if importlib.util.find_spec("vllm") is None:
 
 import torch
 import transformers
+from broker_process import BrokerProcess
 from handoff_broker import BrokerConfig, build_server
-from handoff_client import HandoffClient
+from handoff_client import FingerprintMismatch, HandoffClient
 from handoff_client import transformers as engine
 from handoff_client._architectures import contract_from_config
+from handoff_client._audit_read import read_handoff
 from hybrid_engines import ASKED, start_engine
 from tiny_hybrids import build_tiny_hybrid
 
 pytestmark = pytest.mark.timeout(900)  # three engines start at once for the module
 
-KINDS = ("llama", "gemma3", "nemotron_h")
+KINDS = ("llama", "gemma3", "nemotron_h")  # each with a vLLM engine
+REFERENCE_ONLY = ("qwen3_next", "granitemoehybrid", "falcon_h1")  # in transformers alone, float32 (vLLM's CPU
+# gated-delta kernel takes bf16 only; Granite's and Falcon-H1's Mamba2 layers take Nemotron-H's path through vLLM)
 LENGTHS = (1, 5, 40, 100, 200)
 PROMPTS = [[(i * 7 + n) % 500 + 3 for i in range(n)] for n in LENGTHS]
 NEW_TOKENS = 16
@@ -51,9 +59,12 @@ def name(kind: str) -> str:
 def models(tmp_path_factory, tiny_llama) -> dict:
     """Each model's folder and its float32 contract over max_model_len 1024 (state float32, as vLLM resolves it)."""
     folder = tmp_path_factory.mktemp("engine-models")
+    hybrids = [kind for kind in KINDS + REFERENCE_ONLY if kind != "llama"]
+    with ThreadPoolExecutor(len(hybrids)) as pool:  # each built in a process of its own, all at once
+        dirs = dict(zip(hybrids, pool.map(lambda kind: build_tiny_hybrid(kind, folder / kind), hybrids), strict=True))
     out = {}
-    for kind in KINDS:
-        model_dir = tiny_llama if kind == "llama" else build_tiny_hybrid(kind, folder / kind)
+    for kind in KINDS + REFERENCE_ONLY:
+        model_dir = tiny_llama if kind == "llama" else dirs[kind]
         config = json.loads((model_dir / "config.json").read_text())
         contract = contract_from_config(config, ctx=1024, dtype="float32", state_dtype="float32", model=name(kind))
         out[kind] = (model_dir, contract)
@@ -61,12 +72,13 @@ def models(tmp_path_factory, tiny_llama) -> dict:
 
 
 @pytest.fixture(scope="module")
-def broker(models):
-    server, _ = build_server(BrokerConfig(host="127.0.0.1", port=0,
-                                          contracts={c.model: c for _, c in models.values()}))  # fmt: skip
-    server.start()
-    yield server
-    server.stop(grace=0.2)
+def broker(models, tmp_path_factory):
+    """`handoff-broker serve` in a process of its own, every model from its config.json (`--model-config NAME=DIR`),
+    float32 over 1024 positions: the contracts both engines must derive for themselves."""
+    flags = [f for kind, (model_dir, c) in models.items() for f in ("--model-config", f"{c.model}={model_dir}")]
+    flags += ["--config-ctx", "1024", "--config-dtype", "float32", "--config-state-dtype", "float32"]
+    with BrokerProcess(tmp_path_factory.mktemp("broker"), [], *flags) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +86,7 @@ def instances(models, broker, tmp_path_factory):
     """One float32 kv_both vLLM instance per model, started at once."""
     started = {kind: start_engine("both", model_dir, tmp_path_factory.mktemp(kind), name=kind, dtype="float32",
                                   extra={"target": broker.address, "model": contract.model})
-               for kind, (model_dir, contract) in models.items()}  # fmt: skip
+               for kind, (model_dir, contract) in models.items() if kind in KINDS}  # fmt: skip
     try:
         yield {kind: instance.ready() for kind, instance in started.items()}
     finally:
@@ -170,3 +182,129 @@ def test_a_transformers_prefill_decodes_in_vllm_as_vllm_own_run(kind, instances,
     plain = instances[kind].generate(PROMPTS, max_tokens=NEW_TOKENS)
     assert decoded["cached"] == [p["position"] if p else 0 for p in params]
     assert decoded["tokens"] == plain["tokens"]
+
+
+def corrupted(client, contract, params: dict, state: dict, label: str) -> dict:
+    """`state` pushed as a hand-off of its own under the same prompt digest and position: the params naming it."""
+    handoff = f"{label}-{params['prompt_digest']}"
+    client.push(contract.model, handoff, params["position"], state)
+    return {k: v for k, v in params.items() if k != "ticket"} | {"handoff_id": handoff}
+
+
+def test_an_audit_passes_vllm_s_hand_offs_and_names_the_first_bad_tensor_of_each_fault(
+    instances, hf, client, models, broker
+):
+    """`audit` reads each vLLM hand-off without a claim and passes it (Nemotron-H's SSM state by the dt clamp's
+    tolerance, said in its notes), after which its decoder still loads all of it; and each fault is named by its
+    first bad tensor in contract order: one layer's K and V swapped, another prompt's hand-off under this prompt,
+    one head's rows rotated."""
+    prompt, other = PROMPTS[3], [(t * 13) % 500 + 3 for t in PROMPTS[3]]
+    for kind in KINDS:
+        model, contract = hf[kind], models[kind][1]
+        pushed = instances[kind].generate([prompt, other], [dict(ASKED), dict(ASKED)], max_tokens=1)
+        params, params_other = ({k: v for k, v in p.items() if k != "remote_prefill_cached_tokens"}
+                                for p in pushed["kv_transfer_params"])  # fmt: skip
+        report = engine.audit(client, params, model, prompt)
+        assert report.ok, report.summary()
+        assert [t.name for t in report.tensors] == [c.name for c in contract.carried]
+        assert bool(report.notes) == (kind == "nemotron_h"), report.notes
+        good = {n: np.array(a) for n, a in read_handoff(client, contract.model, params["handoff_id"]).state.items()}
+        other_state = read_handoff(client, contract.model, params_other["handoff_id"]).state
+        cache = engine.load(client, params, model, prompt_ids=prompt)  # the decoder's hand-off is still whole
+        assert cache.get_seq_length() == len(prompt) - 1
+        if kind != "llama":
+            continue
+        swapped = good | {"layers.1.self_attn.k_cache": good["layers.1.self_attn.v_cache"],
+                          "layers.1.self_attn.v_cache": good["layers.1.self_attn.k_cache"]}  # fmt: skip
+        keys = good["layers.0.self_attn.k_cache"].copy()
+        keys[:, 64:128] = np.roll(keys[:, 64:128], 1, axis=0)  # head 1 of 2 (head_dim 64): its rows rotated by one
+        faults = {
+            "swapped": (swapped, "layers.1.self_attn.k_cache"),
+            "another-prompt": (dict(other_state), "layers.0.self_attn.k_cache"),
+            "rotated": (good | {"layers.0.self_attn.k_cache": keys}, "layers.0.self_attn.k_cache"),
+        }
+        for label, (state, first_bad) in faults.items():
+            bad = engine.audit(client, corrupted(client, contract, params, state, label), model, prompt)
+            assert bad.digest_ok and not bad.ok and bad.first_bad == first_bad, (label, bad.summary())
+        # the operator's command: the same read and comparison, its verdict in the exit status
+        command = [sys.executable, "-m", "handoff_broker", "audit", str(models[kind][0]), "--target", broker.address,
+                   "--params", json.dumps(corrupted(client, contract, params, faults["rotated"][0], "cli")),
+                   "--prompt", ",".join(map(str, prompt))]  # fmt: skip
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1, done.stderr[-3000:]
+        assert "BAD: first bad tensor layers.0.self_attn.k_cache" in done.stdout, done.stdout
+        assert all(c.name in done.stdout for c in contract.carried)
+
+
+def test_an_audit_names_a_gated_delta_state_transposed_per_head(hf, client, models):
+    """A Qwen3-Next hand-off made by `prefill` (float32, transformers): it passes its audit, and the same with the
+    first gated-delta layer's memory transposed per head (S_h read (v_dim, k_dim): what a kernel keeping the other
+    orientation leaves) fails it, naming that memory."""
+    model, contract = hf["qwen3_next"], models["qwen3_next"][1]
+    prompt = PROMPTS[2]
+    params = engine.prefill(client, model, prompt, model_name=contract.model)
+    report = engine.audit(client, params, model, prompt, producer="transformers")
+    assert report.ok and not report.notes, report.summary()
+    state = {n: np.array(a) for n, a in read_handoff(client, contract.model, params["handoff_id"]).state.items()}
+    memory = state["layers.0.linear_attn.memory"]  # (k_dim, heads x v_dim), k_dim = v_dim = 64
+    heads = memory.reshape(64, -1, 64).transpose(1, 0, 2)  # (heads, k_dim, v_dim)
+    state["layers.0.linear_attn.memory"] = np.ascontiguousarray(
+        heads.transpose(0, 2, 1).transpose(1, 0, 2).reshape(64, -1)
+    )
+    bad = engine.audit(client, corrupted(client, contract, params, state, "transposed"), model, prompt,
+                       producer="transformers")  # fmt: skip
+    assert not bad.ok and bad.first_bad == "layers.0.linear_attn.memory", bad.summary()
+
+
+def test_the_broker_s_model_config_gives_both_engines_one_fingerprint(instances, hf, client, models):
+    """The broker derives each contract from the model's config.json (`--model-config`); vLLM derives its own from
+    the engine and starts only when they are equal (every instance above started), and transformers derives its own
+    from the model's config: equal to both. The same transformers model against another model's contract is refused,
+    naming both fingerprints and the first tensor that differs."""
+    for kind, (_, contract) in models.items():
+        served = client.get_contract(contract.model, refresh=True)
+        assert served.fingerprint == contract.fingerprint  # what vLLM's engines derived: they are up
+        assert engine.contract_for(client, hf[kind], contract.model).fingerprint == served.fingerprint
+    with pytest.raises(FingerprintMismatch) as refused:
+        engine.contract_for(client, hf["gemma3"], models["llama"][1].model)
+    assert (
+        models["llama"][1].fingerprint in refused.value.message
+        and "layers.0.self_attn.k_cache" in refused.value.message
+    )
+
+
+@pytest.mark.parametrize("kind", REFERENCE_ONLY)
+def test_a_transformers_prefill_of_a_hybrid_loads_into_transformers_and_continues_as_its_plain_run(
+    kind, hf, client, models
+):
+    """Qwen3-Next (gated-delta-net), Granite 4.0 hybrid and Falcon-H1 (Mamba2; Falcon-H1's mixer beside attention in
+    every layer) through the broker from one transformers model to another: the hand-off is at N - 1, the loaded
+    cache is the model's own cache of those tokens, bit for bit, and 16 greedy tokens equal the plain run's."""
+    model, contract = hf[kind], models[kind][1]
+    for prompt in PROMPTS[1:4]:
+        params = engine.prefill(client, model, prompt, model_name=contract.model)
+        assert params["position"] == len(prompt) - 1
+        cache = engine.load(client, params, model, prompt_ids=prompt)
+        errors = layer_errors(cache, engine.run_prompt(model, prompt[:-1]))
+        assert errors and max(errors.values()) == 0.0, errors
+        assert greedy(model, prompt, cache) == greedy(model, prompt)
+
+
+def test_an_mla_model_is_refused_by_name(tmp_path):
+    """transformers caches an MLA model's per-head keys and values, not the latent the contract carries: the adapter
+    refuses the contract naming its latent tensor (no up-projection), before anything is pushed or pulled."""
+    config = transformers.DeepseekV2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512,
+                                           q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                                           first_k_dense_replace=2, max_position_embeddings=1024)  # fmt: skip
+    model = transformers.DeepseekV2ForCausalLM(config)
+    contract = contract_from_config(config.to_dict(), ctx=1024, dtype="float32", model="tiny-deepseek-v2")
+    server, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={contract.model: contract}))
+    server.start()
+    try:
+        with HandoffClient(server.address) as mla_client:
+            with pytest.raises(engine.LoadRefused, match=r"layers\.0\.self_attn\.kv_latent.*MLA latent"):
+                engine.prefill(mla_client, model, [3, 4, 5], model_name=contract.model)
+            assert mla_client.status().ready == 0
+    finally:
+        server.stop(grace=0.2)

@@ -4,6 +4,7 @@ through the model's contract (docs/engines.md).
     params = prefill(client, model, prompt_ids, model_name="tiny-llama")     # push; vLLM's decoder takes params
     cache = load(client, params, model, prompt_ids=prompt_ids)                # pull a hand-off (vLLM's or prefill's)
     model.generate(torch.tensor([prompt_ids]), past_key_values=cache, ...)   # computes only what cache lacks
+    report = audit(client, params, model, prompt_ids)                         # report.ok, report.first_bad
 
 Both sides follow the rules every adapter follows (handoff_client._handoff_rules, the same code the vLLM connector
 calls): a contract that cannot be rewound is handed off one token short, a 1-token prompt makes no hand-off, a
@@ -20,80 +21,19 @@ not need them (`pip install '.[transformers]'`).
 
 from __future__ import annotations
 
-import inspect
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
-from .._architectures import contract_from_config
 from .._handoff_rules import handoff_id as make_id
 from .._handoff_rules import handoff_position, params_refusal, prompt_digest, stops_short, transfer_params
 from .._torch import from_numpy, to_numpy
 from ..protocol.contract import Contract
-from ..protocol.errors import FingerprintMismatch, HandoffError
-from ._layout import read_cache, refusal, torch_dtype, write_cache
+from ._audit import AuditReport
+from ._layout import read_cache, torch_dtype, write_cache
+from ._model import LoadRefused, contract_for, new_cache, run_prompt
 
-__all__ = ["LoadRefused", "contract_for", "load", "prefill", "run_prompt"]
-
-
-class LoadRefused(ValueError):
-    """A hand-off this adapter will not load (or a model it cannot carry), and why: it would not continue the
-    prompt exactly."""
-
-
-def _dtypes(contract: Contract) -> tuple[str, str]:
-    """The contract's cache dtype and recurrent-state dtype, as contract_from_config takes them."""
-    cache = next((c.dtype for c in contract.carried if not c.name.endswith((".memory", ".ssm"))), "bfloat16")
-    state = next((c.dtype for c in contract.carried if c.name.endswith((".memory", ".ssm"))), "float32")
-    return cache, state
-
-
-def contract_for(client: Any, model: Any, name: str) -> Contract:
-    """The broker's contract `name`, once the transformers model is shown to derive the same one from its config
-    (FingerprintMismatch naming both fingerprints and the first tensor that differs), and to be one this adapter
-    carries (LoadRefused naming the tensor)."""
-    contract = client.get_contract(name)
-    cache, state = _dtypes(contract)
-    own = contract_from_config(model.config.to_dict(), ctx=contract.ctx, dtype=cache, state_dtype=state, model=name)
-    if own.fingerprint != contract.fingerprint:
-        ours = {c.name: c for c in own.carried}
-        differs = next((f"`{c.name}`: broker {c.rows}x{c.cols} {c.dtype}, model "
-                        + (f"{ours[c.name].rows}x{ours[c.name].cols} {ours[c.name].dtype}" if c.name in ours else "none")
-                        for c in contract.carried if ours.get(c.name) != c), "the tensor lists differ")  # fmt: skip
-        error = FingerprintMismatch(name, contract.fingerprint, own.fingerprint)
-        HandoffError.__init__(error, f"{error.message} (first difference {differs})", **error.fields)
-        raise error
-    if (why := refusal(contract)) is not None:
-        raise LoadRefused(why)
-    return contract
-
-
-def _forward(model: Any, ids: torch.Tensor, cache: Any) -> Any:
-    """One forward pass filling `cache`: `cache=` where the model takes it (transformers 5.25), else
-    `past_key_values=` (5.19)."""
-    params = inspect.signature(model.forward).parameters
-    kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache}
-    if "use_cache" in params:
-        kwargs["use_cache"] = True
-    with torch.no_grad():
-        return model(ids.to(model.device), **kwargs)
-
-
-def new_cache(model: Any) -> Any:
-    """A fresh cache laid out by the model's own config (sliding windows, linear-attention layers)."""
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
-
-
-def run_prompt(model: Any, prompt_ids: Sequence[int]) -> Any:
-    """transformers' own cache after `prompt_ids` (the reference `load` and `audit` are held to)."""
-    cache = new_cache(model)
-    if prompt_ids:
-        _forward(model, torch.tensor([list(prompt_ids)]), cache)
-    return cache
+__all__ = ["AuditReport", "LoadRefused", "audit", "contract_for", "load", "prefill", "run_prompt"]
 
 
 def prefill(client: Any, model: Any, prompt_ids: Sequence[int], *, model_name: str, handoff_id: str | None = None,
@@ -167,6 +107,16 @@ def load(client: Any, kv_transfer_params: Mapping[str, Any], model: Any, *, prom
     heads = {c.layer: _kv_heads(model) for c in contract.carried}
     write_cache(cache, contract, position, held, state, heads, model.dtype, model.device)
     return cache
+
+
+def audit(client: Any, kv_transfer_params: Mapping[str, Any], model: Any, prompt_ids: Sequence[int], *,
+          producer: str = "vllm", timeout: float | None = None) -> AuditReport:  # fmt: skip
+    """Compare every carried tensor of the hand-off the params name with what `model` computes for the prompt,
+    reading it without a claim, so its decoder is untouched: an AuditReport (`ok`, `first_bad`, each tensor's
+    errors and tolerance, notes; _audit.py has the tolerances by dtype and producing engine)."""
+    from ._audit import audit as run
+
+    return run(client, kv_transfer_params, model, prompt_ids, producer=producer, timeout=timeout)
 
 
 __all__ += ["checked_params", "held_tokens", "new_cache", "torch_dtype"]

@@ -75,9 +75,10 @@ def _is_ring(contract: Contract, c: Carried) -> bool:
     return (c.cache_rows or c.rows) < contract.ctx
 
 
-def read_cache(cache: Any, contract: Contract, position: int) -> dict[str, torch.Tensor]:
+def read_cache(cache: Any, contract: Contract, position: int, exact: bool = False) -> dict[str, torch.Tensor]:
     """The contract's tensors (contract order, its dtypes, contiguous CPU) out of a cache that has run `position`
-    tokens. `contract` is the declared one; each tensor whose rows are positions comes at its filled rows."""
+    tokens. `contract` is the declared one; each tensor whose rows are positions comes at its filled rows. `exact`:
+    in the cache's own dtypes, not cast to the contract's (an audit's reference)."""
     filled = contract.at(position)
     out: dict[str, torch.Tensor] = {}
     for layer, tensors in _layers(filled).items():
@@ -101,7 +102,8 @@ def read_cache(cache: Any, contract: Contract, position: int) -> dict[str, torch
             for c in conv:
                 out[c.name] = ring[:, start : start + c.cols]
                 start += c.cols
-    return {c.name: out[c.name].to(torch_dtype(c.dtype)).contiguous().cpu() for c in filled.carried}
+    return {c.name: (out[c.name] if exact else out[c.name].to(torch_dtype(c.dtype))).contiguous().cpu()
+            for c in filled.carried}  # fmt: skip
 
 
 def write_cache(cache: Any, contract: Contract, position: int, held: int, state: Mapping[str, torch.Tensor],
