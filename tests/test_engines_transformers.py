@@ -308,3 +308,22 @@ def test_an_mla_model_is_refused_by_name(tmp_path):
             assert mla_client.status().ready == 0
     finally:
         server.stop(grace=0.2)
+
+
+def test_load_refuses_by_name_what_it_cannot_load_exactly_and_leaves_the_hand_off(hf, client, models):
+    """What vLLM's consumer checks, `load` checks: a hand-off of another prompt (digest mismatch), one of all N
+    tokens of an N-token prompt under a contract that cannot be rewound (Gemma-3's window): each refused with
+    LoadRefused saying why, before the pull, so the hand-off stays in the broker for its right prompt; params whose
+    position is not the hand-off's own (known once pulled) are refused too."""
+    model, contract = hf["gemma3"], models["gemma3"][1]
+    prompt, other = PROMPTS[2], [t + 1 for t in PROMPTS[2]]
+    params = engine.prefill(client, model, prompt, model_name=contract.model)
+    with pytest.raises(engine.LoadRefused, match="prompt digest mismatch"):
+        engine.load(client, params, model, prompt_ids=other)
+    with pytest.raises(engine.LoadRefused, match="cannot be rewound"):
+        engine.load(client, params, model, prompt_ids=prompt[:-1])  # the hand-off holds all of this prompt
+    cache = engine.load(client, params, model, prompt_ids=prompt)  # still there, whole
+    assert cache.get_seq_length() == len(prompt) - 1
+    misnamed = engine.prefill(client, model, prompt, model_name=contract.model)
+    with pytest.raises(engine.LoadRefused, match="is at position 39, its params say 38"):
+        engine.load(client, {**misnamed, "position": 38, "prompt_digest": None}, model)

@@ -92,13 +92,14 @@ def load(client: Any, kv_transfer_params: Mapping[str, Any], model: Any, *, prom
     if any) into a fresh transformers cache, so that `model.generate(prompt, past_key_values=cache)` continues the
     prompt exactly, computing only what the cache does not hold (`held_tokens`). With `prompt_ids` the prompt's
     digest and the last-token rule are checked as vLLM's consumer checks them; without, only the model, the
-    position and the id. LoadRefused (naming why) where it cannot load exactly; the hand-off is then left in the
-    broker, unclaimed."""
+    position and the id. LoadRefused (naming why) where it cannot load exactly: before the pull, leaving the
+    hand-off in the broker; a hand-off whose own position is not its params' is refused once pulled (it is
+    misnamed: no prompt can load it as they say)."""
     params = dict(kv_transfer_params)
     contract = contract_for(client, model, str(params.get("model", "")))
     position = checked_params(contract, params, prompt_ids)
     handoff = client.pull(contract.model, str(params["handoff_id"]), ticket=params.get("ticket"), timeout=timeout)
-    if handoff.position != position:
+    if handoff.position != position:  # (known only once pulled: a hand-off its params misname is not loadable)
         raise LoadRefused(f"{contract.model}: hand-off {params['handoff_id']} is at position {handoff.position}, its "
                           f"params say {position}; nothing loaded")  # fmt: skip
     held = held_tokens(contract, position, prompt_ids)
