@@ -31,8 +31,8 @@ rank has), and a rank whose pull fails reports the request as failed, which vLLM
 request's prompt is recomputed on every rank, so a load is whole or not at all.
 
 Consumer: `start_load_kv` starts a background pull per request (PULL_THREADS, shared; PROBE_SECONDS); each layer is
-written into the request's pages as soon as its key and value have arrived. When the pull ends — confirmed, or failed
-(broker gone, hand-off expired or cancelled, a checksum or digest failed, past `timeout`) — `get_transfer_results`
+written once its key and value have arrived (CPU pages: by vLLM's thread, _cpu_kernels.py). When the pull ends —
+confirmed or failed (broker gone, hand-off expired or cancelled, bad checksum, past `timeout`) — `get_transfer_results`
 reports the request (finished receiving), a failure also as failed (`failed_recving`), so vLLM recomputes the request's
 prompt (or fails the request, by its kv_load_failure_policy). Failures go by request, not by block: block ids are unique
 only within a KV-cache group, and vLLM takes block-level errors from no connector of a model with several groups. vLLM
@@ -50,6 +50,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,7 @@ from handoff_client.protocol.errors import WaitTimedOut
 from handoff_client.protocol.shards import Shard
 
 from ._copy_out import CopyOut
+from ._cpu_kernels import PageWrites, attention_isa, require_amx
 from ._groups import GroupMap, Kind, engine_state_dtype, group_map
 from ._layouts import Geometry, PageLayout, layout_for
 from ._mla_pages import LatentMover, latent_mover
@@ -121,6 +123,7 @@ class WorkerHalf:
         self._sending: set[Future] = set()
         self._receivers = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="handoff-pull")
         self.transfers = Transfers()  # each request's push and load
+        self.page_writes = PageWrites()  # CPU pages: a load's writes, made on vLLM's own thread (_cpu_kernels.py)
         # whether a saved request's copy is made within its step (wait_for_save) rather than by its push
         self.copy_within_step = False
         self._stats_lock = threading.Lock()
@@ -141,7 +144,7 @@ class WorkerHalf:
         if missing := sorted(set(self.groups.layers) ^ set(kv_caches)):
             raise ValueError(f"{self.contract.model}: vLLM layer `{missing[0]}` is in the KV-cache groups or the pages "
                              "vLLM registered, not both")  # fmt: skip
-        backends = set()
+        backends, isas = set(), set()
         for layer_name, pages in kv_caches.items():
             plan = self.groups.layers[layer_name]
             self.pages[layer_name] = pages
@@ -160,12 +163,14 @@ class WorkerHalf:
             if pages.dim() == 4 and pages.shape[1] != geometry.kv_heads:  # vLLM 0.32's [blocks, heads, block, C]
                 raise ValueError(f"{self.contract.model}: vLLM pages `{layer_name}` with {pages.shape[1]} KV heads at "
                                  f"TP {self.shard}; the contract gives this rank {geometry.kv_heads}")  # fmt: skip
-            layout = layout_for(backend, geometry, pages.dtype, self._isa(backend, geometry), pages=pages,
+            isas.add(isa := attention_isa(self.vllm_config, layer_name, backend, geometry))
+            layout = layout_for(backend, geometry, pages.dtype, isa, pages=pages,
                                 writer=cache_writer(self.vllm_config, layer_name))  # fmt: skip
             self.layouts[layer_name] = layout
             self.movers[layer_name] = AttentionMover(plan, layout)
             self.tensors[layer_name] = (key.name, value.name)
         self.layer_of = self.groups.layer_of
+        require_amx(isas, self.contract.model)  # (vLLM's AMX kernel: AMX state granted now, or refused by name)
         kinds = sorted({plan.kind.value for plan in self.groups.layers.values()})
         pushing = "sends each layer as it is copied" if self.settings.push_while_copying else "copies every layer first"
         pushing += ", copied within the step (vLLM's V2 model runner)" if self.copy_within_step else ""
@@ -178,14 +183,6 @@ class WorkerHalf:
     def _part(self) -> Shard | None:
         """The shard this rank pushes and pulls; None at TP 1 (the whole hand-off)."""
         return None if self.shard is None or self.shard.whole else self.shard
-
-    def _isa(self, backend: str, geometry: Geometry) -> str | None:
-        if backend != "CPU_ATTN":
-            return None
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        model = self.vllm_config.model_config
-        return _get_attn_isa(model.dtype, geometry.block, geometry.head_dim, self.vllm_config.cache_config.cache_dtype)
 
     def _check_broker_contract(self) -> None:
         served = self.client.get_contract(self.contract.model)
@@ -362,7 +359,12 @@ class WorkerHalf:
         names = [t.name for t in mover.plan.tensors]
         if all(name in arrived for name in names):
             tensors = {name: from_numpy(arrived[name]) for name in names}
-            mover.scatter(self.pages[layer_name], load.block_ids[mover.plan.group], load.first, load.rows, tensors)
+            write = partial(mover.scatter, self.pages[layer_name], load.block_ids[mover.plan.group], load.first,
+                            load.rows, tensors)  # fmt: skip
+            if self._stream is None:  # CPU pages: written on vLLM's own thread, before the load is reported
+                self.page_writes.add(load.request_id, write)
+            else:
+                write()
 
     # -- both ---------------------------------------------------------------------------------------------------------
 
@@ -378,7 +380,7 @@ class WorkerHalf:
             # next 5 ms switch (pulls 3x sooner: vllm_engines.py)
             time.sleep(0)
         released = self.transfers.release(finished_req_ids)
-        received, failed = self.transfers.take_ended_loads()
+        received, failed = self.page_writes.settle(*self.transfers.take_ended_loads())  # (CPU pages written first)
         return released, received, failed
 
     def take_stats(self) -> HandoffConnectorStats | None:

