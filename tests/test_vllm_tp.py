@@ -37,6 +37,7 @@ MAX_TOKENS = 6
 KV_CACHE_BYTES = 128 << 20
 ASK = {"do_remote_decode": True, "do_remote_prefill": False}
 MODELS = {"tiny-llama-kv2": 2, "tiny-llama-kv1": 1}  # name -> KV heads
+DIRS: dict[str, Path] = {}  # name -> the model's folder, once the module's fixture has built it
 HEAD_DIM = 64
 
 
@@ -74,6 +75,7 @@ def fleet(tmp_path_factory):
     once; yields {model: (tp1, tp2)} and the broker."""
     tmp = tmp_path_factory.mktemp("vllm-tp")
     dirs = {name: tmp / name for name in MODELS}
+    DIRS.update(dirs)
     builds = {name: build_model(dirs[name], kv_heads) for name, kv_heads in MODELS.items()}  # both at once
     contracts = {}
     for name, build in builds.items():
@@ -140,3 +142,26 @@ def test_prefill_and_decode_at_tp_1_and_2_in_every_pairing_give_a_tp_1_engine_s_
     assert two_to_one["cached"] == [len(p) for p in PROMPTS]
     stats = broker.store.stats()
     assert (stats.receiving, stats.ready, stats.claimed) == (0, 0, 0)  # every part pulled and confirmed
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_tp_2_producer_s_hand_off_audits_at_tp_1_and_its_decoder_still_loads_it(fleet, model):
+    """A hand-off pushed by a TP 2 instance's two ranks (for the 1-KV-head model, rank 0 alone pushing the replicated
+    head) is audited at TP 1 (handoff_client.transformers.audit: each rank's part read without a claim and joined)
+    against transformers' own float32 cache of the prompt, and passes; the TP 1 decoder then loads every token of
+    it: the audit took nothing away."""
+    import torch
+    import transformers
+    from handoff_client import HandoffClient
+    from handoff_client.transformers import audit
+
+    engines, broker = fleet
+    tp1, tp2 = engines[model]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(DIRS[model], dtype=torch.float32).eval()
+    params = decode_params(tp2.generate(PROMPTS, [ASK] * len(PROMPTS), max_tokens=1)["kv_transfer_params"])
+    with HandoffClient(broker.address) as client:
+        for prompt, handoff in zip(PROMPTS, params, strict=True):
+            report = audit(client, handoff, reference, prompt)
+            assert report.ok, report.summary()
+    decoded = tp1.generate(PROMPTS, params, max_tokens=MAX_TOKENS)
+    assert decoded["cached"] == [len(p) for p in PROMPTS]
