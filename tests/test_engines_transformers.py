@@ -327,3 +327,28 @@ def test_load_refuses_by_name_what_it_cannot_load_exactly_and_leaves_the_hand_of
     misnamed = engine.prefill(client, model, prompt, model_name=contract.model)
     with pytest.raises(engine.LoadRefused, match="is at position 39, its params say 38"):
         engine.load(client, {**misnamed, "position": 38, "prompt_digest": None}, model)
+
+
+def test_a_bf16_hybrid_s_state_crosses_in_float32_and_continues_as_its_plain_run(models):
+    """transformers keeps a bf16 hybrid's recurrent state in float32: a Qwen3-Next in bf16, under a contract of bf16
+    caches and a float32 state, hands off to itself with the state bit for bit, in float32, and 16 tokens equal its
+    plain run (loaded in bf16, the state gave other tokens at 5 and 40 tokens: seen)."""
+    model_dir = models["qwen3_next"][0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    config = json.loads((model_dir / "config.json").read_text())
+    contract = contract_from_config(config, ctx=1024, dtype="bfloat16", state_dtype="float32", model="tiny-qwen3-bf16")
+    server, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={contract.model: contract}))
+    server.start()
+    try:
+        with HandoffClient(server.address) as bf16_client:
+            for prompt in PROMPTS[1:3]:
+                params = engine.prefill(bf16_client, model, prompt, model_name=contract.model)
+                cache = engine.load(bf16_client, params, model, prompt_ids=prompt)
+                errors = layer_errors(cache, engine.run_prompt(model, prompt[:-1]))
+                assert errors and max(errors.values()) == 0.0, errors
+                assert all(s.dtype == torch.float32 for layer in cache.layers
+                           if getattr(layer, "recurrent_states", {}).get(0) is not None
+                           for s in (layer.recurrent_states[0],))  # fmt: skip
+                assert greedy(model, prompt, cache) == greedy(model, prompt)
+    finally:
+        server.stop(grace=0.2)

@@ -14,7 +14,8 @@ cache_utils.py; the same in 5.25):
                   ([Q | K | V] or [x | B | C]). Loading pads the first column with zeros: transformers' conv over K
                   columns uses column 0 only for an output it throws away.
     recurrent     LinearAttentionLayer.recurrent_states[0]: [batch, heads, a, b] (gated-delta S_h (k_dim, v_dim),
-                  Mamba2 (head_dim, state)); the contract's memory/ssm[a, h·b + j] = S_h[a, j].
+                  Mamba2 (head_dim, state)), float32 even for a bf16 model; the contract's memory/ssm[a, h·b + j] =
+                  S_h[a, j].
 
 A hybrid layer holding both (Falcon-H1: LinearAttentionAndFullAttentionLayer) is read and written both ways. Batch 1.
 Anything else the contract carries (an MLA latent, a quantization scale) is refused by name (`refusal`).
@@ -136,5 +137,6 @@ def write_cache(cache: Any, contract: Contract, position: int, held: int, state:
                 s = rows.reshape(rows.shape[0], -1, rows.shape[1] // max(c.heads, 1)) if c.heads else None
                 if s is None:
                     raise ValueError(f"{contract.model}: `{c.name}` states no heads; cannot lay it out per head")
-                s = s.permute(1, 0, 2)[None].to(device, torch.float32 if dtype == torch.float32 else dtype)
+                # transformers keeps recurrent states in float32 for a bf16/fp16 model (its torch paths): so here
+                s = s.permute(1, 0, 2)[None].to(device, torch.promote_types(dtype, torch.float32))
                 target.update_recurrent_state(s.contiguous())
