@@ -167,6 +167,17 @@ def test_gemma3_hands_off_only_the_windows_rows_and_decodes_as_a_plain_engine(ge
     assert len({tuple(t) for t in plain["tokens"]}) == len(GEMMA_PROMPTS)  # the oracle tells prompts apart
 
 
+def test_a_decoders_pages_are_written_by_vllms_cache_writer_on_vllms_own_thread_only(gemma):
+    """The loads write each window and global layer through vLLM's own CPU cache writer, on the thread that steps
+    vLLM, as its forward does, never on a pull thread (client/vllm/_cpu_kernels.py: on AMX CPUs bfloat16 Gemma-3
+    decode instances died of SIGILL after loads written on pull threads)."""
+    params = hand_off(gemma["producer"], GEMMA_PROMPTS[3:])
+    gemma["consumer"].ask("writers", on=True)
+    decoded = gemma["consumer"].generate(GEMMA_PROMPTS[3:], params)
+    assert decoded["cached"] == [len(p) - 1 for p in GEMMA_PROMPTS[3:]]  # loaded through the writer
+    assert gemma["consumer"].ask("writers", on=False)["writers"] == ["MainThread"]
+
+
 def test_a_decoder_without_the_hybrid_kv_cache_manager_takes_the_same_window_hand_offs(gemma):
     """--disable-hybrid-kv-cache-manager: one KV-cache group, every block kept, `request_finished` instead of
     `request_finished_all_groups`; the window layers' rings are written into it from the same hand-offs."""

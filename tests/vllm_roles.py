@@ -12,7 +12,7 @@ kv_transfer_params or null), {"op": "release"} (steps until no finished request 
 {"op": "reset_prefix_cache"} (vLLM's prefix cache emptied, so that prompts run before give no local hits:
 {"reset": true}), {"op": "corrupt", "on": bool} (the negative control's switch below, for the requests after it:
 {"corrupt": on}), {"op": "trace", "on": bool} (the order of the worker's hooks and the forward: `trace`),
-{"op": "exit"}. tests/vllm_driver.py starts these processes and drives them. Settings: prompts,
+{"op": "writers", "on": bool} (the threads vLLM's CPU cache writer runs on: `writers`), {"op": "exit"}. tests/vllm_driver.py starts these processes and drives them. Settings: prompts,
 block_size, max_tokens, kv_transfer_params, kv_cache_bytes, extra (the connector's kv_connector_extra_config), and
 optionally dtype (bfloat16), tp (1: over vLLM's `mp` executor when more), max_model_len (1024), prefix_caching
 (false), max_num_seqs (vLLM's default), cpu (the CPU features vLLM's platform decides by, driven: tests/vllm_cpu.py).
@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -130,6 +131,32 @@ def trace(llm, on: bool) -> dict:
     return {"trace": recorded}
 
 
+WRITERS: set[str] = set()  # what the "writers" command records: the threads CPU_ATTN's cache writer ran on
+WRITING = [False]  # whether it records now
+
+
+def writers(on: bool) -> dict:
+    """The session's "writers" command: with `on`, record from now the name of each thread on which vLLM's CPU cache
+    writer (CPU_ATTN's `do_kv_cache_update`, the forward's and the connector's loads') runs, in this process, where
+    vLLM's worker runs (the uni executor); off, stop and answer them: {"writers": [...]}."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
+
+    if not getattr(Impl.do_kv_cache_update, "recorded", False):
+        update = Impl.do_kv_cache_update
+
+        def recorded(self, *args, **kwargs):
+            if WRITING[0]:
+                WRITERS.add(threading.current_thread().name)
+            return update(self, *args, **kwargs)
+
+        recorded.recorded = True
+        Impl.do_kv_cache_update = recorded
+    WRITING[0] = on
+    seen = sorted(WRITERS)
+    WRITERS.clear()
+    return {"writers": seen}
+
+
 def generate(llm, prompts: list[list[int]], transfers: list[dict | None], max_tokens: int) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -197,6 +224,8 @@ def session(llm, start_seconds: float, more: Mapping[str, Callable[[dict], dict]
             answer = {"reset": llm.reset_prefix_cache()}
         elif command["op"] == "trace":
             answer = trace(llm, command["on"])
+        elif command["op"] == "writers":
+            answer = writers(command["on"])
         elif command["op"] == "corrupt":
             corrupt_pulled_keys(command["on"])
             answer = {"corrupt": command["on"]}
