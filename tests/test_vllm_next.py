@@ -154,6 +154,9 @@ def test_the_scheduler_half_saves_once_and_loads_into_new_blocks_through_0_34_s_
     chunked = request("chunked", HANDED, {"do_remote_decode": True})  # prefilled in two chunks: a cached step saves it
     half.on_new_request(chunked)
     assert half.may_load_async(loaded) and not half.may_load_async(handed)
+    stranger = request("stranger", HANDED, {**loaded.kv_transfer_params})  # another prompt's params: refused
+    assert half.may_load_async(stranger) and half.get_num_new_matched_tokens(stranger, 0) == (0, False)
+    assert not half.may_load_async(stranger)  # refused once, it never holds back other loads again
 
     def step(new=(), cached=(), preempted=(), scheduled=None):
         cached_reqs = shaped(cached_data, req_ids=[c[0] for c in cached], new_token_ids=[[] for _ in cached],

@@ -201,10 +201,11 @@ class SchedulerHalf:
     def may_load_async(self, request: Any) -> bool:
         """Whether `get_num_new_matched_tokens` may answer an asynchronous load for `request` (vLLM 0.34 asks as the
         request enters a waiting queue: cheap, its params and one set alone; a request it then refuses is a false
-        positive, which only holds back other loads a while)."""
+        positive, which only holds back other loads a while; one already refused or loaded is never one)."""
         params = request.kv_transfer_params or {}
         return (self.consumer and "handoff_id" in params and params.get("do_remote_prefill", True) is not False
-                and request.request_id not in self._loaded)  # fmt: skip
+                and request.request_id not in self._loaded
+                and request.request_id not in self._refused)  # fmt: skip
 
     def _refusal(self, request: Any, params: dict[str, Any]) -> str | None:
         """Why the hand-off named in `params` must not be loaded into `request` (None: it may): the checks every
