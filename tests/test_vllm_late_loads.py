@@ -56,3 +56,29 @@ def test_a_ready_load_ends_at_once_behind_four_late_ones_and_the_pull_threads_st
         assert failed == {f"late{i}" for i in range(4)} and time.monotonic() - started >= TIMEOUT - 0.5
     finally:
         worker.shutdown()
+
+
+def test_loads_that_come_after_many_late_ones_wait_for_none_of_them(start_broker):
+    """Late loads once probed wait apart (LATE_PULL_THREADS): a load started a step after forty of them is pulled at
+    once, where it queued behind their every retry (about two seconds here, five behind a hundred)."""
+    served = start_broker(contracts={CONTRACT.model: CONTRACT})
+    worker = attention_worker(CONTRACT, ConnectorSettings(target=served.address, timeout=TIMEOUT), kv_heads=2,
+                              head_dim=16, block=BLOCK, blocks=4 * 8)  # fmt: skip
+    ready = {c.name: np.ones((ROWS, c.cols), np.float32) for c in CONTRACT.carried}
+    try:
+        with HandoffClient(served.address, timeout=30) as client:
+            client.push(CONTRACT.model, "ready", ROWS, ready)
+        worker.start_load_kv(HandoffConnectorMetadata(loads=[LoadSpec(f"late{i}", f"late{i}", ((1, 2, 3),), 0, ROWS)
+                                                             for i in range(40)]))  # fmt: skip
+        time.sleep(40 / _worker.PULL_THREADS * _worker.PROBE_SECONDS + 0.5)  # every late load probed once
+        started = time.monotonic()
+        worker.start_load_kv(HandoffConnectorMetadata(loads=[LoadSpec("ready", "ready", ((29, 30, 31),), 0, ROWS)]))
+        received: set[str] = set()
+        while "ready" not in received and time.monotonic() - started < TIMEOUT:
+            received |= worker.get_finished(set(), idle=True)[1]
+        waited = time.monotonic() - started
+        pulling = [t for t in threading.enumerate() if "handoff-" in t.name and "pull" in t.name]
+        assert "ready" in received and waited < 1.0, f"the ready load ended {waited:.2f} s after it began"
+        assert len(pulling) <= _worker.PULL_THREADS + _worker.LATE_PULL_THREADS
+    finally:
+        worker.shutdown()

@@ -85,11 +85,11 @@ arriving meanwhile waits at most this long to be scheduled."""
 CANCEL_SECONDS = 5.0
 """The longest a failed push's cancel may take (the sender's thread is busy meanwhile)."""
 
-PULL_THREADS = 4  # the threads pulling hand-offs into a decode instance's pages, all its loads' (bounded)
-
+PULL_THREADS, LATE_PULL_THREADS = 4, 2  # the threads pulling a decode instance's loads: first tries, late ones again
 PROBE_SECONDS = 0.2
-"""How long a pull holds a thread waiting for its push to begin (`wait_for_push`) before it queues itself again, until
-its `timeout`: late hand-offs never hold a ready one back their whole timeout (four held one 5.97 s of 6 s)."""
+"""How long a pull holds a thread waiting for its push to begin (`wait_for_push`) before it tries again on a thread of
+the late ones, until its `timeout`: late hand-offs never hold a ready one back their whole timeout (four held one 5.97 s
+of 6 s), and once probed they wait apart from the loads that come after them (a hundred late ones held one 5 s)."""
 
 
 def reuses_pages_before_preemptions(vllm_config: Any) -> bool:
@@ -122,6 +122,7 @@ class WorkerHalf:
         self._senders = ThreadPoolExecutor(4, thread_name_prefix="handoff-push")
         self._sending: set[Future] = set()
         self._receivers = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="handoff-pull")
+        self._late_receivers = ThreadPoolExecutor(LATE_PULL_THREADS, thread_name_prefix="handoff-late-pull")
         self.transfers = Transfers()  # each request's push and load
         self.page_writes = PageWrites()  # CPU pages: a load's writes, made on vLLM's own thread (_cpu_kernels.py)
         # whether a saved request's copy is made within its step (wait_for_save) rather than by its push
@@ -313,7 +314,7 @@ class WorkerHalf:
 
     def _pull(self, load: LoadSpec, deadline: float, started: float, zeroed: torch.cuda.Event | None) -> None:
         """Pull `load`'s hand-off into its pages by `deadline` (monotonic): a push not begun within PROBE_SECONDS
-        lets the thread go, the pull queued again behind the loads waiting for a thread."""
+        lets the thread go, the pull queued again behind the late loads."""
         arrived: dict[str, np.ndarray] = {}
         try:
             remaining = max(deadline - time.monotonic(), 0.001)
@@ -342,9 +343,9 @@ class WorkerHalf:
         self.transfers.load_ended(load.request_id, failed=False)
 
     def _pull_again(self, load: LoadSpec, *when: Any) -> bool:
-        """Queue `load`'s pull again (behind every load waiting for a thread); False once the pool is shut down."""
+        """Queue `load`'s pull again, behind the late loads alone; False once the pool is shut down."""
         with contextlib.suppress(RuntimeError):  # (shutting down)
-            return self._receivers.submit(self._pull, load, *when) is not None
+            return self._late_receivers.submit(self._pull, load, *when) is not None
         return False
 
     def _load_failed(self, load: LoadSpec, why: str) -> None:
@@ -395,4 +396,5 @@ class WorkerHalf:
     def shutdown(self) -> None:
         self._senders.shutdown(wait=True)
         self._receivers.shutdown(wait=True)
+        self._late_receivers.shutdown(wait=True)
         self.client.close()
