@@ -7,10 +7,11 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from handoff_client.protocol.errors import BrokerBusy, WaitTimedOut
 from handoff_client.protocol.messages import handoff_pb2 as pb
 from handoff_client.protocol.shards import Shard
 
-from .admission import HeldWhileRunning
+from .admission import Budget, HeldWhileRunning
 from .lane_calls import LaneCall
 from .store import Claim, Store
 
@@ -44,10 +45,24 @@ def pull_header(claim: Claim, shard: pb.Shard, lane: pb.Lane | None) -> bytes:
     return pb.PullResponse(header=header).SerializeToString()
 
 
-def audit_stream(store: Store, request: pb.PullRequest, shard: Shard, wait: float, context: Any) -> Iterator[bytes]:
+def audit_stream(
+    store: Store, request: pb.PullRequest, shard: Shard, wait: float, context: Any, waiting: Budget
+) -> Iterator[bytes]:
     """An audit read's stream: the committed hand-off's header (claim 0), its chunks and its end, on this stream,
-    claiming nothing (the store's audits.py says what it takes and when it ends)."""
-    read = store.audit_read(request.model, request.handoff_id, wait, context.is_active, shard)
+    claiming nothing (the store's audits.py says what it takes and when it ends). A read waiting for its push holds a
+    slot of the `waiting` budget while it waits, as a pull does; past the budget it is refused at once."""
+    slot = waiting.try_take()
+    try:
+        read = store.audit_read(
+            request.model, request.handoff_id, wait if slot is not None else 0.0, context.is_active, shard
+        )
+    except WaitTimedOut as e:
+        if slot is None:
+            raise BrokerBusy(waiting.what, waiting.limit, request.model) from e
+        raise
+    finally:
+        if slot is not None:
+            slot.give_back()
     yield pull_header(read, request.shard, None)
     sent = 0
     while True:

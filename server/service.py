@@ -267,7 +267,8 @@ class HandoffBrokerServicer:
         if request.wait_seconds:
             wait = min(wait, request.wait_seconds)
         if request.audit:  # a read that claims nothing (pull_stream.audit_stream)
-            yield from audit_stream(self.store, request, shard_from_proto(request.model, request), wait, context)
+            shard = shard_from_proto(request.model, request)
+            yield from audit_stream(self.store, request, shard, wait, context, self.admission.waiting)
             return
 
         def interrupt() -> None:  # a stream whose end is on its way has nothing left to cut short

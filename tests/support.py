@@ -60,16 +60,21 @@ def open_channel(target: str) -> grpc.Channel:
 
 
 def raw_pull(
-    channel: grpc.Channel, model: str, handoff_id: str, timeout: float = 10, shard: tuple[int, int] | None = None
+    channel: grpc.Channel,
+    model: str,
+    handoff_id: str,
+    timeout: float = 10,
+    shard: tuple[int, int] | None = None,
+    audit: bool = False,
 ) -> Iterator[object]:
-    """An open pull stream whose messages are decoded but not acted on (no confirm)."""
+    """An open pull stream (an audit read's with `audit`) whose messages are decoded but not acted on (no confirm)."""
     pull = channel.unary_stream(
         method_path("PullHandoff"),
         request_serializer=pb.PullRequest.SerializeToString,
         response_deserializer=decode_pull_response,
     )
     wire_shard = pb.Shard(rank=shard[0], size=shard[1]) if shard else None
-    return pull(pb.PullRequest(model=model, handoff_id=handoff_id, shard=wire_shard), timeout=timeout)
+    return pull(pb.PullRequest(model=model, handoff_id=handoff_id, shard=wire_shard, audit=audit), timeout=timeout)
 
 
 def raises_handoff_error(call, *args, **kwargs) -> HandoffError:

@@ -202,6 +202,32 @@ def test_pulls_waiting_for_their_pushes_leave_threads_for_the_pushes_health_and_
     assert len(delivered) == waiting_budget and broker.store.stats().claimed == waiting_budget
 
 
+def test_audit_reads_waiting_for_their_pushes_are_held_to_the_waiting_budget_too(start_broker, contracts):
+    """Audit reads of hand-offs not yet committed wait as pulls do, so past the waiting budget they are refused at
+    once (BROKER_BUSY) rather than holding every stream slot and thread until their deadline."""
+    broker = start_broker(workers=8)
+    waiting_budget = broker.admission.waiting.limit
+    outcomes: dict[int, object] = {}
+
+    def read(i: int) -> None:
+        with open_channel(broker.address) as channel:
+            try:
+                outcomes[i] = list(raw_pull(channel, DEMO, f"never{i}", timeout=3, audit=True))
+            except grpc.RpcError as e:
+                outcomes[i] = from_rpc_error(e)
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(8)]
+    for t in readers:
+        t.start()
+    time.sleep(0.5)
+    assert health_answers(broker.address) and answers_status_quickly(broker.address) < 1
+    busy = [i for i, o in outcomes.items() if isinstance(o, BrokerBusy)]
+    assert len(busy) == 8 - waiting_budget, outcomes
+    for t in readers:
+        t.join(10)
+    assert broker.admission.waiting.taken == 0
+
+
 def test_silent_push_streams_are_ended_and_cannot_take_the_last_threads(start_broker, contracts):
     """Defect 3: a push stream that never sent its header (or a repeat push's header, then silence) pinned a thread
     forever; with --workers 2, two such streams left health at DEADLINE_EXCEEDED."""
