@@ -125,3 +125,25 @@ def test_every_metric_the_broker_exports_is_documented(start_broker):
     exported = set(re.findall(r"^# TYPE ((?:handoff|process)_\w+) ", text, re.MULTILINE))  # (samples or none yet)
     assert "handoff_lane_bytes_total" in exported and "process_resident_memory_bytes" in exported
     assert sorted(name for name in exported if f"`{name}" not in operations) == []
+
+
+def test_pulls_waiting_for_their_push_are_counted_in_flight(start_broker, contracts):
+    """handoff_streams_in_flight{kind="pull"} counts a pull from its admission: 7 pulls waiting for their pushes
+    read 0 when it counted only after the claim (#37)."""
+    import threading
+
+    broker = start_broker()
+    tensors = seeded_tensors(contracts["demo-hybrid"])
+    in_flight = lambda: broker.registry.get_sample_value("handoff_streams_in_flight", {"kind": "pull"})
+    with HandoffClient(broker.address) as client:
+        pulls = [threading.Thread(target=client.pull, args=("demo-hybrid", f"later-{n}"), kwargs={"timeout": 20})
+                 for n in range(3)]  # fmt: skip
+        for pull in pulls:
+            pull.start()
+        wait_until(lambda: broker.admission.waiting.taken == 3)
+        assert in_flight() == 3
+        for n in range(3):
+            client.push("demo-hybrid", f"later-{n}", 1, tensors)
+        for pull in pulls:
+            pull.join(20)
+    wait_until(lambda: in_flight() == 0)
