@@ -19,6 +19,7 @@ Nothing here imports an engine: an adapter holds its engine's layout knowledge, 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -68,12 +69,14 @@ def window_rows(rows: int, ring: int) -> tuple[int, int]:
 
 def handoff_id(request: str, digest: str) -> str:
     """A hand-off's id: the producer's request id, then its prompt's digest, so an id names one prompt's state.
-    ValueError where that is past the broker's MAX_HANDOFF_ID printable characters (the broker would refuse it)."""
+    Where that is more than the broker takes (MAX_HANDOFF_ID printable characters: vLLM takes request ids from the
+    client's `X-Request-Id`), the request id is replaced by a BLAKE2b-128 of it, `h{32 hex}-{digest}`: still unique,
+    still ending with the digest, and pushable."""
     whole = f"{request}-{digest}"
-    if len(whole) > MAX_HANDOFF_ID or not whole.isprintable():
-        raise ValueError(f"hand-off id {whole[:40]!r}... is {len(whole)} characters; the broker takes at most "
-                         f"{MAX_HANDOFF_ID} printable ones: give a shorter handoff_id")  # fmt: skip
-    return whole
+    if len(whole) <= MAX_HANDOFF_ID and whole.isprintable():
+        return whole
+    named = hashlib.blake2b(request.encode("utf-8", "surrogatepass"), digest_size=16)
+    return f"h{named.hexdigest()}-{digest}"
 
 
 def transfer_params(handoff: str, position: int, model: str, ticket: str, digest: str) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from handoff_client import FingerprintMismatch, HandoffClient
 from handoff_client import transformers as engine
 from handoff_client._architectures import contract_from_config
 from handoff_client._audit_read import read_handoff
+from handoff_client.protocol.limits import MAX_HANDOFF_ID
 from hybrid_engines import ASKED, start_engine
 from tiny_hybrids import build_tiny_hybrid
 
@@ -324,6 +325,9 @@ def test_load_refuses_by_name_what_it_cannot_load_exactly_and_leaves_the_hand_of
         engine.load(client, params, model, prompt_ids=prompt[:-1])  # the hand-off holds all of this prompt
     cache = engine.load(client, params, model, prompt_ids=prompt)  # still there, whole
     assert cache.get_seq_length() == len(prompt) - 1
+    long = engine.prefill(client, model, prompt, model_name=contract.model, handoff_id="client-" + "x" * 300)
+    assert len(long["handoff_id"]) <= MAX_HANDOFF_ID  # hashed as the vLLM connector's are, and pushed
+    assert engine.load(client, long, model, prompt_ids=prompt).get_seq_length() == len(prompt) - 1
     misnamed = engine.prefill(client, model, prompt, model_name=contract.model)
     with pytest.raises(engine.LoadRefused, match="is at position 39, its params say 38"):
         engine.load(client, {**misnamed, "position": 38, "prompt_digest": None}, model)

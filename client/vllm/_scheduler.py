@@ -31,16 +31,14 @@ rule, a hand-off of all N prompt tokens under a contract that cannot be rewound.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from handoff_client._handoff_rules import params_refusal, transfer_params
+from handoff_client._handoff_rules import handoff_id, params_refusal, transfer_params
 from handoff_client.fleet import FleetClient, is_fleet, make_ticket
 from handoff_client.protocol.contract import Contract
 from handoff_client.protocol.errors import HandoffError
-from handoff_client.protocol.limits import MAX_HANDOFF_ID
 from handoff_client.protocol.prompts import prompt_digest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -68,15 +66,9 @@ def request_digest(request: Any, position: int) -> str:
 
 def handoff_id_for(engine_id: str, request_id: str, digest: str) -> str:
     """`{engine_id}-{request_id}-{digest}`: the engine id makes an engine's own request ids (an offline run numbers
-    them from 0) unique, and the digest ends it, so an id names one prompt's KV. Where that is more than the broker
-    takes (MAX_HANDOFF_ID printable characters: vLLM takes the request id from the client's `X-Request-Id`), the
-    engine and request ids are replaced by a BLAKE2b-128 of them, `h{32 hex}-{digest}`: still unique, still ending
-    with the digest, and pushable."""
-    whole = f"{engine_id}-{request_id}-{digest}"
-    if len(whole) <= MAX_HANDOFF_ID and whole.isprintable():
-        return whole
-    named = hashlib.blake2b(f"{engine_id}-{request_id}".encode("utf-8", "surrogatepass"), digest_size=16)
-    return f"h{named.hexdigest()}-{digest}"
+    them from 0) unique, and the digest ends it, so an id names one prompt's KV; past what the broker takes, hashed
+    (`_handoff_rules.handoff_id`, every adapter's rule)."""
+    return handoff_id(f"{engine_id}-{request_id}", digest)
 
 
 def _truthy(params: dict[str, Any], key: str) -> bool:
