@@ -8,7 +8,7 @@ hand-off against transformers recomputing the prompt, in the same run (`--quick`
 Each `load` run pulls its own hand-off, pushed before the timing by `prefill` (a dense model's hand-off holds all N
 tokens; `load` keeps N - 1 of them and the decoder computes the last, as vLLM's does). The two are interleaved run by
 run; medians. The model is random-weight, float32, built from config in this process (a Llama of 8 layers, hidden
-1024, 16 heads of 64, 4 KV heads: 32 KiB of KV a token; `--layers`, `--hidden` to change), so the ratio depends on
+1024, 16 heads of 64, 4 KV heads: 16 KiB of KV a token; `--layers`, `--hidden` to change), so the ratio depends on
 how much compute a token costs against how many bytes it carries: a larger model gains more. CPU, this machine's
 cores; no GPU figure here.
 

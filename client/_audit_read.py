@@ -31,8 +31,8 @@ def read_part(client: BrokerClient, model: str, handoff_id: str, shard: Shard, t
     declared = client.get_contract(model)
     request = pb.PullRequest(model=model, handoff_id=handoff_id, shard=shard_to_proto(shard),
                              wait_seconds=wait_for_push or 0.0, audit=True)  # fmt: skip
+    view(declared, shard, pushing=pushed)  # (a shard that cannot be cut is refused before the stream is opened)
     stream = client._pull(request, timeout=timeout, metadata=client._metadata)
-    view(declared, shard, pushing=pushed)  # (a shard that cannot be cut is refused before anything is read)
     tensors = PulledTensors(client, declared, shard, handoff_id, stream, timeout, None, request, pushing=pushed)
     for _ in tensors:
         pass

@@ -33,6 +33,7 @@ from handoff_client import transformers as engine
 from handoff_client._architectures import contract_from_config
 from handoff_client._audit_read import read_handoff
 from handoff_client.protocol.limits import MAX_HANDOFF_ID
+from handoff_client.transformers._audit import HALF_PRECISION, SAME_ARITHMETIC, tolerance
 from hybrid_engines import ASKED, start_engine
 from tiny_hybrids import build_tiny_hybrid
 
@@ -356,3 +357,19 @@ def test_a_bf16_hybrid_s_state_crosses_in_float32_and_continues_as_its_plain_run
                 assert greedy(model, prompt, cache) == greedy(model, prompt)
     finally:
         server.stop(grace=0.2)
+
+
+def test_an_audit_holds_params_to_the_hand_off_they_name_and_bf16_arithmetic_to_its_tolerance(hf, client, models):
+    """Params whose position is not the hand-off's own fail the audit as another prompt's would (`load` refuses
+    them); a float32 tensor computed by a bf16 model (a hybrid's state, as vLLM's CPU build keeps it) is judged at
+    the half-precision tolerance, not float32's."""
+    model, contract = hf["gemma3"], models["gemma3"][1]
+    prompt = PROMPTS[2]
+    params = engine.prefill(client, model, prompt, model_name=contract.model)
+    assert engine.audit(client, params, model, prompt, producer="transformers").ok
+    misnamed = engine.audit(client, {**params, "position": params["position"] - 1}, model, prompt)
+    assert not misnamed.ok and not misnamed.digest_ok and misnamed.first_bad is None
+    client.cancel(contract.model, params["handoff_id"])
+    memory = "layers.0.linear_attn.memory"
+    assert tolerance(memory, "float32", "vllm", [], "float32") == SAME_ARITHMETIC
+    assert tolerance(memory, "float32", "vllm", [], "bfloat16") == HALF_PRECISION

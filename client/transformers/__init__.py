@@ -105,7 +105,7 @@ def load(client: Any, kv_transfer_params: Mapping[str, Any], model: Any, *, prom
     held = held_tokens(contract, position, prompt_ids)
     cache = new_cache(model)
     state = {name: from_numpy(array) for name, array in handoff.state.items()}
-    heads = {c.layer: _kv_heads(model) for c in contract.carried}
+    heads = {c.layer: c.heads or _kv_heads(model) for c in contract.carried}  # each layer's own, as the contract says
     write_cache(cache, contract, position, held, state, heads, model.dtype, model.device)
     return cache
 

@@ -11,14 +11,15 @@ tensor's largest magnitude (a per-element relative error is meaningless where va
 on the hand-off's dtype and on which engine produced it, and the report states each one it applied:
 
     float32, same arithmetic (keys, values, conv rings; recurrent states but Mamba2's from vLLM)       1e-4
-    bfloat16 or float16 (any tensor: one rounding of the stored value, and bf16 arithmetic upstream)    5e-2
+    bfloat16 or float16 (any tensor stored so, or computed by a bf16/fp16 model: a bf16 hybrid's
+      float32 state, as vLLM's CPU build keeps it, is two engines' bf16 arithmetic apart)            5e-2
     Mamba2 `ssm` from vLLM (`producer="vllm"`): transformers clamps dt from below at time_step_min,
       vLLM 0.32 at 0, so the two engines run another recurrence: float32 2e-2 (1.9e-3 measured on a tiny random
       Nemotron-H; tens of percent in a head with real weights, where tokens still agree): the report says so in
       `notes` rather than crying wolf, and a state past even that is still reported bad
 
-`first_bad` is the first tensor, in contract order, out of its tolerance; `digest_ok` whether the params' digest
-is the prompt's own. `ok` needs both.
+`first_bad` is the first tensor, in contract order, out of its tolerance; `digest_ok` whether the params name this
+prompt's hand-off (their digest the prompt's own and ending the id, their position the hand-off's). `ok` needs both.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class AuditReport:
                   for t in self.tensors]  # fmt: skip
         lines += [f"note: {n}" for n in self.notes]
         if not self.digest_ok:
-            lines.append("the params' prompt_digest is not this prompt's: the hand-off is of another prompt")
+            lines.append("the params' prompt_digest, id or position are not this prompt's hand-off's")
         verdict = "ok" if self.ok else f"BAD: first bad tensor {self.first_bad or '(none: the digest)'}"
         lines.append(
             f"{self.model} hand-off {self.handoff_id} at {self.position} tokens from {self.producer}: {verdict}"
@@ -94,9 +95,11 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def tolerance(name: str, dtype: str, producer: str, notes: list[str]) -> float:
-    """The relative tolerance for tensor `name` of `dtype` produced by `producer` (the module's table)."""
-    strict = SAME_ARITHMETIC if dtype in ("float32", "float64") else HALF_PRECISION
+def tolerance(name: str, dtype: str, producer: str, notes: list[str], computed: str = "float32") -> float:
+    """The relative tolerance for tensor `name` of `dtype` produced by `producer` from a model computing in
+    `computed` (the module's table)."""
+    full = dtype in ("float32", "float64") and computed in ("float32", "float64")
+    strict = SAME_ARITHMETIC if full else HALF_PRECISION
     if producer == "vllm" and name.endswith(".mamba.ssm"):
         loose = max(strict, MAMBA2_DT_CLAMP)
         note = DT_CLAMP_NOTE.format(tolerance=loose, strict=strict)
@@ -115,8 +118,13 @@ def audit(client: Any, kv_transfer_params: Mapping[str, Any], model: Any, prompt
     contract = contract_for(client, model, str(params.get("model", "")))
     handoff = read_handoff(client, contract.model, str(params["handoff_id"]), timeout=timeout)
     position, prompt = handoff.position, list(prompt_ids)
-    digest = params.get("prompt_digest")
-    digest_ok = position <= len(prompt) and (digest is None or digest == prompt_digest(prompt[:position]))
+    digest, named = params.get("prompt_digest"), str(params["handoff_id"])
+    digest_ok = (
+        position <= len(prompt)
+        and params.get("position", position) == position
+        and (digest is None or (digest == prompt_digest(prompt[:position]) and named.endswith(f"-{digest}")))
+    )
+    computed = str(model.dtype).removeprefix("torch.")
     reference = read_cache(run_prompt(model, prompt[:position]), contract, position, exact=True)
     notes: list[str] = []
     tensors = []
@@ -130,7 +138,7 @@ def audit(client: Any, kv_transfer_params: Mapping[str, Any], model: Any, prompt
         scale = float(np.abs(want).max()) if want.size else 0.0
         relative = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
         tensors.append(
-            TensorAudit(carried.name, diff, relative, tolerance(carried.name, carried.dtype, producer, notes))
+            TensorAudit(carried.name, diff, relative, tolerance(carried.name, carried.dtype, producer, notes, computed))
         )
     return AuditReport(contract.model, str(params["handoff_id"]), position, producer, digest_ok, tuple(tensors),
                        tuple(notes))  # fmt: skip
