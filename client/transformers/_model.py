@@ -11,9 +11,11 @@ from typing import Any
 import torch
 
 from .._architectures import contract_from_config
-from ..protocol.contract import Contract
-from ..protocol.errors import FingerprintMismatch, HandoffError
+from ..protocol.contract import Contract, differences
+from ..protocol.errors import FingerprintMismatch
 from ._layout import refusal
+
+NAMES = ("broker", "transformers model")  # whose each value is, in a FingerprintMismatch's differences
 
 
 class LoadRefused(ValueError):
@@ -30,19 +32,13 @@ def _dtypes(contract: Contract) -> tuple[str, str]:
 
 def contract_for(client: Any, model: Any, name: str) -> Contract:
     """The broker's contract `name`, once the transformers model is shown to derive the same one from its config
-    (FingerprintMismatch naming both fingerprints and the first tensor that differs), and to be one this adapter
+    (FingerprintMismatch naming both fingerprints and every field that differs, with both values), and to be one this adapter
     carries (LoadRefused naming the tensor)."""
     contract = client.get_contract(name)
     cache, state = _dtypes(contract)
     own = contract_from_config(model.config.to_dict(), ctx=contract.ctx, dtype=cache, state_dtype=state, model=name)
-    if own.fingerprint != contract.fingerprint:
-        ours = {c.name: c for c in own.carried}
-        differs = next((f"`{c.name}`: broker {c.rows}x{c.cols} {c.dtype}, model "
-                        + (f"{ours[c.name].rows}x{ours[c.name].cols} {ours[c.name].dtype}" if c.name in ours else "none")
-                        for c in contract.carried if ours.get(c.name) != c), "the tensor lists differ")  # fmt: skip
-        error = FingerprintMismatch(name, contract.fingerprint, own.fingerprint)
-        HandoffError.__init__(error, f"{error.message} (first difference {differs})", **error.fields)
-        raise error
+    if own.fingerprint != contract.fingerprint:  # (every field that differs named, as the vLLM connector names them)
+        raise FingerprintMismatch(name, contract.fingerprint, own.fingerprint, differences(contract, own, NAMES))
     if (why := refusal(contract)) is not None:
         raise LoadRefused(why)
     return contract
