@@ -34,6 +34,7 @@ from handoff_client._architectures import contract_from_config
 from handoff_client._audit_read import read_handoff
 from handoff_client.protocol.limits import MAX_HANDOFF_ID
 from handoff_client.transformers._audit import HALF_PRECISION, SAME_ARITHMETIC, tolerance
+from hf_caches import paired_tensors
 from hybrid_engines import ASKED, start_engine
 from tiny_hybrids import build_tiny_hybrid
 
@@ -118,18 +119,8 @@ def greedy(model, prompt: list[int], cache=None) -> list[int]:
 def layer_errors(got, want) -> dict[tuple[int, str], float]:
     """Per layer and kind of tensor: the largest difference between two transformers caches, relative to the
     largest value."""
-    errors = {}
-    for i, (a, b) in enumerate(zip(got.layers, want.layers, strict=True)):
-        pairs = {}
-        if getattr(b, "keys", None) is not None and b.keys.numel():
-            pairs.update(keys=(a.keys, b.keys), values=(a.values, b.values))
-        if getattr(b, "conv_states", {}).get(0) is not None:
-            pairs.update(conv=(a.conv_states[0][..., 1:], b.conv_states[0][..., 1:]),
-                         recurrent=(a.recurrent_states[0], b.recurrent_states[0]))  # fmt: skip
-        for what, (x, y) in pairs.items():
-            assert x.shape == y.shape, (i, what, x.shape, y.shape)
-            errors[i, what] = float((x - y).abs().max() / y.abs().max().clamp_min(1e-6))
-    return errors
+    return {(i, what): float((x - y).abs().max() / y.abs().max().clamp_min(1e-6))
+            for i, what, x, y in paired_tensors(got, want)}  # fmt: skip
 
 
 def over(errors: dict[tuple[int, str], float], tolerance: dict[str, float]) -> dict:

@@ -216,22 +216,17 @@ LOADED = """
 import json, sys, torch, transformers
 from handoff_client import HandoffClient
 from handoff_client import transformers as engine
-model_dir, address, todo, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+model_dir, address, todo, out, tests = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4], sys.argv[5]
+sys.path.insert(0, tests)
+from hf_caches import paired_tensors
 model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
 
 def errors(got, want, norm=False):  # per layer and kind: the difference relative to the reference (largest values
     found = {}  # or, with norm, Frobenius norms)
-    for i, (a, b) in enumerate(zip(got.layers, want.layers, strict=True)):
-        pairs = {}
-        if getattr(b, "keys", None) is not None and b.keys.numel():
-            pairs.update(keys=(a.keys, b.keys), values=(a.values, b.values))
-        if getattr(b, "conv_states", {}).get(0) is not None:
-            pairs.update(conv=(a.conv_states[0][..., 1:], b.conv_states[0][..., 1:]),
-                         recurrent=(a.recurrent_states[0], b.recurrent_states[0]))
-        for what, (x, y) in pairs.items():
-            assert x.shape == y.shape and x.dtype == y.dtype, (i, what, x.shape, y.shape, x.dtype, y.dtype)
-            d, y = x.float() - y.float(), y.float()
-            found[f"{i}.{what}"] = float(d.norm() / y.norm() if norm else d.abs().max() / y.abs().max())
+    for i, what, x, y in paired_tensors(got, want):
+        assert x.dtype == y.dtype, (i, what, x.dtype, y.dtype)
+        d, y = x.float() - y.float(), y.float()
+        found[f"{i}.{what}"] = float(d.norm() / y.norm() if norm else d.abs().max() / y.abs().max())
     return found
 
 def greedy(prompt, cache=None):
@@ -304,7 +299,8 @@ def test_a_bf16_vllm_prefill_of_qwen3_next_loads_into_transformers_within_bf16_o
     assert [p["position"] for p in params] == [len(p) - 1 for p in LOAD_PROMPTS]
     out = tmp_path / "loaded.json"
     todo = json.dumps([[prompt, p] for prompt, p in zip(LOAD_PROMPTS, params, strict=True)])
-    done = subprocess.run([sys.executable, "-c", LOADED, str(models[QWEN]), broker.address, todo, str(out)],
+    done = subprocess.run([sys.executable, "-c", LOADED, str(models[QWEN]), broker.address, todo, str(out),
+                           str(Path(__file__).parent)],
                           check=False, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(out.read_text())
