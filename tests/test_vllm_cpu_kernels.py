@@ -20,7 +20,7 @@ import torch
 from handoff_client import HandoffClient
 from handoff_client._architectures import contract_from_config
 from handoff_client.vllm._cpu_kernels import attention_isa, require_amx
-from handoff_client.vllm._layouts import Geometry
+from handoff_client.vllm._layouts import Geometry, layout_for
 from handoff_client.vllm._scheduler import HandoffConnectorMetadata, LoadSpec
 from handoff_client.vllm._settings import ConnectorSettings
 from vllm_cpu import cpu_reports
@@ -110,6 +110,33 @@ def test_a_write_that_fails_on_vllms_thread_fails_its_load_and_not_the_engine(st
         assert (seen["received"], seen["failed"]) == ({"a", "b"}, {"b"})  # vLLM recomputes b; a is loaded
     finally:
         worker.shutdown()
+
+
+def vllms_writer(isa: str):
+    """vLLM's CPU cache writer for `isa`, called as CPUAttentionBackendImpl.do_kv_cache_update calls it."""
+    from vllm import _custom_ops as ops
+
+    def write(keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
+        blocks, heads, block, _ = pages.shape
+        key_cache, value_cache = pages.view(blocks, heads, 2 * block, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")  # fmt: skip
+
+    return write
+
+
+def test_a_write_whose_slots_leave_the_pages_is_refused_before_vllms_writer_which_checks_no_bounds():
+    backing = torch.zeros(6, 2, 32, 128)
+    pages = backing[:4]  # the layer's pages, 4 blocks of 32 tokens; what lies after them is not theirs
+    layout = layout_for("CPU_ATTN", Geometry(2, 64, 32), torch.float32, "vec", pages=pages, writer=vllms_writer("vec"))
+    keys, values = torch.ones(8, 128), torch.full((8, 128), 2.0)
+    layout.scatter(pages, [1, 3], 32, keys, values)  # tokens 32 to 39: block 3's first 8 slots, through vLLM's writer
+    got_keys, got_values = layout.gather(pages, [1, 3], 40, first=32)
+    assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    with pytest.raises(ValueError, match=r"CPU_ATTN \(vec\): slots 160 to 167 do not all lie in the layer's pages "
+                                         r"\(4 blocks of 32 tokens: slots 0 to 127\)"):  # fmt: skip
+        layout.scatter(pages, [1, 5], 32, keys, values)  # block 5: past the pages
+    assert not backing[4:].any()  # vLLM's writer would have written there (seen without the check)
 
 
 def test_the_attention_isa_is_the_one_vllm_gave_the_layer_else_vllms_own_decision_both_ways():

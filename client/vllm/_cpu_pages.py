@@ -105,11 +105,25 @@ class CpuAttnVecLayout(PageLayout):
         pages[index] = blocks
 
 
+def check_slots(name: str, slots: torch.Tensor, pages: torch.Tensor, kernel: int) -> None:
+    """Every slot within `pages` (kernel blocks of `kernel` tokens); else ValueError naming them, before vLLM's
+    writer runs. vLLM 0.32's `cpu_attn_reshape_and_cache` checks no bounds (each ISA's `reshape_and_cache` writes at
+    `slot / block_size` for any slot >= 0): a slot past the pages would be a silent write into whatever memory lies
+    after them, and a crash, if any, later and elsewhere (docs/vllm.md#cpus)."""
+    if slots.numel() == 0:
+        return
+    low, high, limit = int(slots.min()), int(slots.max()), pages.shape[0] * kernel
+    if low < 0 or high >= limit:
+        raise ValueError(f"{name}: slots {low} to {high} do not all lie in the layer's pages ({pages.shape[0]} blocks "
+                         f"of {kernel} tokens: slots 0 to {limit - 1}); vLLM's cache writer checks no bounds, so "
+                         "nothing is written")  # fmt: skip
+
+
 class WrittenByVllm(PageLayout):
     """A learned CPU_ATTN layout whose scatter is vLLM's own cache writer for the layer (`do_kv_cache_update`, the
     op its forward writes keys and values with), by slot: what vLLM would have written, by construction, in 0.6x
     the time of the strided scatter (1,026 tokens of 8 heads of 128, blocks of 32, one thread). Its gather is the
-    learned layout's."""
+    learned layout's. Its slots are checked to lie in the pages first (`check_slots`): vLLM's writer does not."""
 
     def __init__(self, learned: PageLayout, writer: CacheWriter) -> None:
         super().__init__(learned.geometry)
@@ -130,6 +144,7 @@ class WrittenByVllm(PageLayout):
             return
         g = self.geometry
         slots = slot_mapping(g, block_ids, first, end, pages.device)
+        check_slots(self.name, slots, pages, g.kernel)
         shape = (-1, g.kv_heads, g.head_dim)
         self.writer(keys.to(pages.dtype).reshape(shape).contiguous(), values.to(pages.dtype).reshape(shape).contiguous(),
                     pages, slots)  # fmt: skip
