@@ -22,14 +22,16 @@ RUN useradd --system --uid 10001 --no-create-home broker
 USER 10001
 WORKDIR /tmp
 
-# The broker's port is HANDOFF_PORT (serve reads it, as it reads every flag from HANDOFF_*), so the HEALTHCHECK
-# follows it: `docker run -e HANDOFF_PORT=6000 ...` listens and is probed on 6000.
+# The broker's ports are HANDOFF_PORT and HANDOFF_HEALTH_PORT (serve reads them, as it reads every flag from
+# HANDOFF_*), so the HEALTHCHECK follows them: `docker run -e HANDOFF_HEALTH_PORT=6001 ...` serves health and is
+# probed on 6001. The health port serves plaintext health statuses alone, with no thread per call (docs/security.md).
 ENV HANDOFF_PORT=50051 \
+    HANDOFF_HEALTH_PORT=50053 \
     PYTHONDONTWRITEBYTECODE=1
-EXPOSE 50051 9464 50052
-# The same gRPC health check Kubernetes probes use.
+EXPOSE 50051 9464 50052 50053
+# The same gRPC health check Kubernetes probes use, on the health port.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=5s --retries=3 \
-    CMD ["sh", "-c", "exec handoff-broker health --target \"127.0.0.1:${HANDOFF_PORT}\""]
+    CMD ["sh", "-c", "exec handoff-broker health --target \"127.0.0.1:${HANDOFF_PORT}\" --health-port \"${HANDOFF_HEALTH_PORT}\""]
 
 ENTRYPOINT ["handoff-broker"]
 CMD ["serve", "--host", "0.0.0.0", "--lane-port", "50052"]

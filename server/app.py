@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Self, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from grpc_health.v1 import health_pb2
 from handoff_client.memory import trim, tune_allocator
 from handoff_client.protocol.contract import Contract
 from handoff_client.protocol.lane import DEFAULT_LANE_MIN_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_SHM_LANE_MIN_BYTES
@@ -29,11 +28,14 @@ from prometheus_client import CollectorRegistry
 from .admission import Admission, waiting_windows_budget
 from .auth import AuthInterceptor, TokenTable
 from .contracts import default_contracts
+from .health_port import Health, HealthPort
 from .lanes import LaneListener
 from .metrics import Metrics, MetricsServer
+from .probe_calls import ProbeCalls, probe_calls_limit
 from .registry import FLEET_HEALTH_SERVICE, EtcdRegistration
 from .rpc import rpc_handler
 from .service import HandoffBrokerServicer
+from .sockets import bind_error
 from .store import Store, StoreConfig, StoreStats
 from .watchdog import Watchdog
 
@@ -102,6 +104,9 @@ class BrokerConfig:
     # `metrics_host` says otherwise (scrapes from a private network while gRPC listens on a public one, say).
     metrics_port: int | None = None
     metrics_host: str | None = None
+    # Port of the health port (server/health_port.py: health alone, plaintext, no thread per call; 0: any free
+    # port), on `host`; None: none (health is still served on the main port, bounded: server/probe_calls.py).
+    health_port: int | None = None
     workers: int = DEFAULT_WORKERS
     # HTTP/2 keepalive: a decoder whose connection dies without a FIN is noticed and its claim returned.
     keepalive_seconds: float = 20.0
@@ -165,7 +170,7 @@ class Broker:
         self.registration: EtcdRegistration | None = None
         self._metrics_server: MetricsServer | None = None
         self._started = False
-        self.health = health.HealthServicer()
+        self.health = Health()
         options = [
             # The transport's own bound, above the broker's checked limit so a breach gets a reasoned, counted status.
             ("grpc.max_receive_message_length", 2 * config.max_message_bytes + (1 << 20)),
@@ -214,9 +219,9 @@ class Broker:
             options=options,
             interceptors=interceptors,
         )
-        self.server.add_generic_rpc_handlers((rpc_handler(servicer),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        _serve_reflection(self.server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
+        self.probe_calls = ProbeCalls(self.health.servicer, (SERVICE_NAME,), config.tokens, self.watchdog,
+                                      servicer._count_refusal, probe_calls_limit(config.workers))  # fmt: skip
+        self.server.add_generic_rpc_handlers((rpc_handler(servicer), self.probe_calls))
         address = f"{_bracketed(config.host)}:{config.port}"
         credentials = None
         if config.tls_cert is not None and config.tls_key is not None:
@@ -235,6 +240,14 @@ class Broker:
         if self.port == 0:
             self._release_ports()
             raise OSError(f"cannot listen for gRPC (--port) on {config.host}:{config.port}: {_why_not(config)}")
+        self.health_port: int | None = None
+        if config.health_port is not None:
+            try:
+                self.health.port = HealthPort(config.host, config.health_port)
+            except OSError:
+                self._release_ports()
+                raise
+            self.health_port = self.health.port.port
         if config.metrics_port is not None:
             host = config.metrics_host or config.host
             try:
@@ -250,6 +263,9 @@ class Broker:
         self.server.stop(None)
         if self.lanes is not None:
             self.lanes.close()
+        if self.health.port is not None:
+            self.health.port.close()
+        self.watchdog.stop()
 
     @property
     def address(self) -> str:
@@ -270,6 +286,9 @@ class Broker:
             if self.lanes.socket_path is not None:
                 logger.info("shared-memory lane on %s", self.lanes.socket_path)
         self.server.start()
+        if self.health.port is not None:
+            self.health.port.start()
+            logger.info("health on %s:%d (plaintext: statuses only)", _bracketed(self.config.host), self.health_port)
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._in_fleet(not self.config.etcd)  # (with --etcd: out until registered)
@@ -318,6 +337,8 @@ class Broker:
         self.server.stop(0.2).wait()
         if self.lanes is not None:
             self.lanes.close()
+        if self.health.port is not None:
+            self.health.port.close()  # (after the main port: probes saw NOT_SERVING while it drained)
         self.watchdog.stop()
         self.store.close()
         if self._metrics_server is not None:
@@ -345,25 +366,6 @@ def build_server(config: BrokerConfig) -> tuple[Broker, int]:
     return broker, broker.port
 
 
-REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
-
-
-def _serve_reflection(server: grpc.Server, services: tuple[str, ...]) -> None:
-    """Server reflection under both its names: `v1alpha` (grpcio-reflection's) and `v1`, which newer tools ask for
-    first. The two protocols' messages are the same on the wire, so one servicer answers both."""
-    names = (*services, reflection.SERVICE_NAME, REFLECTION_V1)
-    servicer = reflection.ReflectionServicer(names)
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
-    v1 = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo,
-        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),)
-    )
-
-
 def _bound(what: str, host: str, port: int, bind: Callable[[], T]) -> T:
     """`bind()`, its failure an OSError that names what could not listen, and where."""
     try:
@@ -377,16 +379,11 @@ def _bracketed(host: str) -> str:
 
 
 def _why_not(config: BrokerConfig) -> str:
-    """Why gRPC could not listen on the configured address, found by binding it ourselves ("Address already in
-    use", "Cannot assign requested address", ...); the TLS material when the address itself is free."""
-    import socket
-
-    try:
-        info = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(info[0], info[1]) as probe:
-            probe.bind(info[4])
-    except OSError as e:
-        return e.strerror or str(e)
+    """Why gRPC could not listen on the configured address ("Address already in use", ...); the TLS material when
+    the address itself is free."""
+    why = bind_error(config.host, config.port)
+    if why is not None:
+        return why
     if config.tls_cert is not None:
         return "gRPC refused the TLS certificate or key (--tls-cert, --tls-key, --tls-client-ca)"
     return "gRPC could not bind it (GRPC_VERBOSITY=debug says why)"

@@ -143,7 +143,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if not details.method.startswith(prefix):
             return continuation(details)
         name = details.method[len(prefix) :]
-        token = _bearer(details.invocation_metadata)
+        token = bearer(details.invocation_metadata)
         principal = self._tokens.authenticate(token) if token else None
         if principal is None:
             return self._refuse(name, Unauthenticated("no bearer token" if not token else "an unknown bearer token"))
@@ -173,7 +173,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(abort)
 
 
-def _bearer(metadata: tuple | None) -> str:
+def bearer(metadata: tuple | None) -> str:
+    """The call's bearer token (its `authorization: Bearer ...` metadata), or ""."""
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
             return value[len("Bearer ") :]

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=port_or_none, default=9464, help="Prometheus /metrics port; -1: none (9464)"
     )
     serve.add_argument("--metrics-host", help="the address /metrics listens on (default: --host's)")
+    serve.add_argument("--health-port", type=port_or_none, default=-1,
+                       help="a port serving only gRPC health, plaintext, with no thread per call, for probes "
+                       "(on --host; 0: any free one); -1: none (-1; the image's is 50053)")  # fmt: skip
     serve.add_argument("--grace", type=seconds, default=10.0, help="seconds streams get to finish on SIGTERM (10)")
     serve.add_argument(
         "--workers",
@@ -218,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     health = subcommands.add_parser("health", help="ask a broker's gRPC health service; exit 0 when SERVING")
     _add_connection_flags(health)
     health.add_argument("--timeout", type=positive_seconds, default=3.0, help="seconds to wait for the answer (3)")
+    health.add_argument("--health-port", type=port, metavar="PORT",
+                        help="ask the broker's health port (serve --health-port) on --target's host instead: "
+                        "plaintext, the TLS flags unused")  # fmt: skip
     health.add_argument("--service", default="", type=_health_service,
                         help='the health service to ask: "" (the broker itself: liveness) or handoff.v1.Fleet (in its '
                         "fleet's set: readiness) (\"\")")  # fmt: skip

@@ -151,6 +151,7 @@ def serve(args: argparse.Namespace) -> int:
         trim_after=args.trim_after,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         metrics_host=args.metrics_host,
+        health_port=None if args.health_port < 0 else args.health_port,
         workers=args.workers,
         lanes=args.lanes,
         lane_port=args.lane_port,
@@ -185,6 +186,7 @@ def serve(args: argparse.Namespace) -> int:
               f"{getattr(e, 'reason', None) or e}", file=sys.stderr)  # fmt: skip
         return 2
     metrics = f"; metrics on :{broker.metrics_port}/metrics" if broker.metrics_port is not None else ""
+    metrics += f"; health on :{broker.health_port}" if broker.health_port is not None else ""
     print(
         f"handoff-broker listening on {broker.address}; max {config.max_bytes} bytes ({human_size(config.max_bytes)}) "
         f"of hand-offs{metrics}",

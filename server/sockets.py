@@ -1,5 +1,5 @@
 """The lane listener's socket helpers: who is at the other end of a connection, whether a Unix socket file is
-stale, and closing or draining a socket without raising on one already gone."""
+stale, and closing or draining a socket without raising on one already gone; why a port gRPC could not bind."""
 
 from __future__ import annotations
 
@@ -60,3 +60,15 @@ def drain(sock: socket.socket) -> None:
             pass
     except (BlockingIOError, InterruptedError, OSError):
         pass
+
+
+def bind_error(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be listened on ("Address already in use", "Cannot assign requested address", ...),
+    found by binding it ourselves; None where it can (gRPC's failure was something else)."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(info[0], info[1]) as probe:
+            probe.bind(info[4])
+    except OSError as e:
+        return e.strerror or str(e)
+    return None

@@ -28,7 +28,8 @@ def health(args: argparse.Namespace) -> int:
     --service ("": the broker itself; handoff.v1.Fleet: in its fleet's set). The call is made by hand (a
     HealthCheckRequest whose field 1 is the service's name; the response's field 1, a varint, is the status), so the
     client-only install can run it. A fleet target (`a:1,b:2`, `dns:///...`, `etcd://...`): each broker's, by name,
-    and exit 0 only when every one is SERVING (below)."""
+    and exit 0 only when every one is SERVING (below). --health-port asks the broker's health port (serve
+    --health-port) on the target's host, in plaintext, as Kubernetes' gRPC probes do."""
     if is_fleet(args.target):
         return fleet_health(args)
     ok, line = health_of(args.target, args)
@@ -42,12 +43,16 @@ def health_of(target: str, args: argparse.Namespace) -> tuple[bool, str]:
     from handoff_client import make_channel  # (grpc only: a HEALTHCHECK every 10 s stays cheap)
 
     tls = _connection(args)
-    tls.pop("token")  # health needs none
+    token = tls.pop("token")  # health needs none; a token sent is not counted among the probes (probe_calls.py)
+    if getattr(args, "health_port", None) is not None:  # the health port: plaintext, on the broker's host
+        target, tls, token = f"{target.rsplit(':', 1)[0]}:{args.health_port}", {}, None
     with make_channel(target, **tls) as channel:
         check = channel.unary_unary(HEALTH_CHECK, request_serializer=bytes, response_deserializer=bytes)
         try:
             service = args.service.encode()  # (at most 127 bytes, the CLI checked: one length byte)
-            response = check(b"\x0a" + bytes([len(service)]) + service if service else b"", timeout=args.timeout)
+            request = b"\x0a" + bytes([len(service)]) + service if service else b""
+            metadata = (("authorization", f"Bearer {token}"),) if token else None
+            response = check(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as e:
             return False, f"{target}: {e.code().name}"
     status = response[1] if response[:1] == b"\x08" and len(response) == 2 else 0  # (every status is one byte)

@@ -44,6 +44,8 @@ class BrokerProcess:
             self.stop()
             raise AssertionError(f"the broker did not start: {line!r} {self._log.read_text()[-2000:]}")
         self.address = match.group(1)
+        health = re.search(r"; health on :(\d+)", line)  # (with --health-port)
+        self.health_port = int(health.group(1)) if health else None
 
     @property
     def pid(self) -> int:

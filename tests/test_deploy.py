@@ -134,11 +134,8 @@ def test_the_tls_and_tokens_overlay_serves_what_its_secrets_mount():
     assert secrets == {"tls": "handoff-broker-tls", "tokens": "handoff-broker-tokens"}
     assert args.tls_cert == f"{mounts['tls']}/tls.crt" and args.tls_key == f"{mounts['tls']}/tls.key"
     assert args.tokens == f"{mounts['tokens']}/tokens.json"
-    for probe in ("readinessProbe", "livenessProbe"):  # the kubelet's gRPC probe cannot speak TLS
-        command = container[probe]["exec"]["command"]
-        health = build_parser().parse_args(command[1:])
-        assert command[0] == "handoff-broker" and health.command == "health"
-        assert health.target == f"127.0.0.1:{args.port}" and health.tls_ca.startswith(mounts["tls"] + "/")
+    for probe in ("readinessProbe", "livenessProbe"):  # the kubelet's gRPC probe cannot speak TLS: the health port
+        assert container[probe]["grpc"]["port"] == args.health_port != args.port
 
 
 def test_the_operator_objects_have_their_own_kustomization_and_agree_with_the_rest():
@@ -253,19 +250,21 @@ def test_the_lock_is_generated_with_hashes_and_satisfies_pyproject():
         assert name in canonical and canonical[name] in requirement.specifier, (text, canonical.get(name))
 
 
-def test_the_healthcheck_follows_the_port_setting(broker):
-    """The Dockerfile's HEALTHCHECK command, run as Docker runs it: healthy against a broker on HANDOFF_PORT,
-    unhealthy when HANDOFF_PORT names another port."""
+def test_the_healthcheck_follows_the_port_setting(start_broker):
+    """The Dockerfile's HEALTHCHECK command, run as Docker runs it: healthy against a broker whose health port is
+    HANDOFF_HEALTH_PORT, unhealthy when HANDOFF_HEALTH_PORT names another port."""
+    broker = start_broker(health_port=0)
     match = re.search(r"^HEALTHCHECK .*?CMD (\[.*\])$", DOCKERFILE.replace("\\\n", " "), re.MULTILINE)
     probe = yaml.safe_load(match.group(1))
     assert probe[:2] == ["sh", "-c"]
     env_port = re.search(r"^ENV HANDOFF_PORT=(\d+)", DOCKERFILE, re.MULTILINE).group(1)
     assert int(env_port) == build_parser().parse_args(["serve"]).port  # the image's default is serve's own
-    port = broker.address.rsplit(":", 1)[1]
-    healthy = subprocess.run(probe, env={**os.environ, "PATH": PATH, "HANDOFF_PORT": port}, capture_output=True, text=True,
+    ports = {"HANDOFF_PORT": broker.address.rsplit(":", 1)[1], "HANDOFF_HEALTH_PORT": str(broker.health_port)}
+    healthy = subprocess.run(probe, env={**os.environ, "PATH": PATH, **ports}, capture_output=True, text=True,
                              timeout=60, check=False)  # fmt: skip
     assert healthy.returncode == 0 and "SERVING" in healthy.stdout, healthy.stderr
-    with_other = subprocess.run(probe, env={**os.environ, "PATH": PATH, "HANDOFF_PORT": "1"}, capture_output=True, text=True,
+    other = {**ports, "HANDOFF_HEALTH_PORT": "1"}
+    with_other = subprocess.run(probe, env={**os.environ, "PATH": PATH, **other}, capture_output=True, text=True,
                                 timeout=60, check=False)  # fmt: skip
     assert with_other.returncode == 1
 

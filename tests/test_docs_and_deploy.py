@@ -56,9 +56,12 @@ def test_the_dockerfile_runs_commands_the_cli_accepts():
     args = build_parser().parse_args(_dockerfile_instruction("CMD"))
     assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 50051)
     probe = _dockerfile_instruction("HEALTHCHECK")  # ["sh", "-c", "exec handoff-broker health --target ...PORT"]
-    health = build_parser().parse_args(shlex.split(probe[-1].replace("${HANDOFF_PORT}", str(args.port)))[2:])
+    health_port = re.search(r"^ +HANDOFF_HEALTH_PORT=(\d+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE).group(1)
+    command = probe[-1].replace("${HANDOFF_PORT}", str(args.port)).replace("${HANDOFF_HEALTH_PORT}", health_port)
+    health = build_parser().parse_args(shlex.split(command)[2:])
     assert (health.command, health.target) == ("health", f"127.0.0.1:{args.port}")  # (tests/test_deploy.py runs it)
-    assert "EXPOSE 50051 9464 50052" in (ROOT / "Dockerfile").read_text()
+    assert health.health_port == int(health_port)  # (probes ask the health port: docs/security.md)
+    assert f"EXPOSE 50051 9464 50052 {health_port}" in (ROOT / "Dockerfile").read_text()
     assert re.search(r"^USER (?!root)\w+", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
 
 
@@ -74,7 +77,8 @@ def test_the_compose_file_is_well_formed_and_its_commands_parse():
     assert {f"{args.metrics_port}:{args.metrics_port}", f"{args.lane_port}:{args.lane_port}"} <= published
     probe = broker["healthcheck"]["test"]
     assert probe[0] == "CMD" and probe[1] == "handoff-broker"
-    assert build_parser().parse_args(probe[2:]).target.endswith(f":{args.port}")
+    health = build_parser().parse_args(probe[2:])
+    assert health.target.endswith(f":{args.port}") and health.health_port == args.health_port >= 1
     image = (ROOT / "deploy/kubernetes/base/broker.yaml").read_text().split("image: ", 1)[1].split()[0]
     assert broker["build"] == "." and broker["image"] == image  # built once, under the name Kubernetes runs
     for role in ("prefill", "decode"):
@@ -103,9 +107,11 @@ def test_the_kubernetes_manifests_parse_and_agree_with_the_cli():
     container = stateful["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args(container["args"])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert (args.command, ports) == ("serve", {"grpc": args.port, "metrics": args.metrics_port, "lane": args.lane_port})
+    assert (args.command, ports) == ("serve", {"grpc": args.port, "metrics": args.metrics_port, "lane": args.lane_port,
+                                               "health": args.health_port})  # fmt: skip
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
-    assert container["readinessProbe"]["grpc"]["port"] == args.port == container["livenessProbe"]["grpc"]["port"]
+    probes = (container["readinessProbe"]["grpc"]["port"], container["livenessProbe"]["grpc"]["port"])
+    assert probes == (args.health_port, args.health_port)  # (the health port: docs/security.md)
     limit = _parse_bytes(container["resources"]["limits"]["memory"].replace("Gi", "GiB"))
     assert args.max_bytes < limit <= args.max_bytes + (4 << 30)  # the hand-offs, plus room for the broker itself
     assert stateful["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > args.grace

@@ -70,19 +70,21 @@ def secret_lines(name: str) -> list[str]:
 
 def test_the_tls_overlays_secret_as_its_comment_makes_it_carries_every_file_the_pod_reads(tmp_path: Path):
     """Fails before the fix: the comment said `kubectl create secret tls`, which stores tls.crt and tls.key only,
-    while both probes read ca.crt: readiness never passed and liveness restarted the pod every ~30 s."""
+    while both probes read ca.crt: readiness never passed and liveness restarted the pod every ~30 s. (The probes now
+    ask the plaintext health port and read no file; the broker reads its certificate and key.)"""
     objects = rendered(KUBERNETES / "tls-and-tokens")
     pod = objects["StatefulSet"]["spec"]["template"]["spec"]
     broker = container(objects)
     mounts = {m["mountPath"]: m["name"] for m in broker["volumeMounts"]}
     secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-    read = [*broker["args"], *broker["readinessProbe"]["exec"]["command"], *broker["livenessProbe"]["exec"]["command"]]
+    probes = [broker[probe].get("exec", {}).get("command", []) for probe in ("readinessProbe", "livenessProbe")]
+    read = [*broker["args"], *probes[0], *probes[1]]
     wanted: dict[str, set[str]] = {}
     for word in read:
         for mount, volume in mounts.items():
             if word.startswith(mount + "/") and volume in secrets:
                 wanted.setdefault(secrets[volume], set()).add(word.removeprefix(mount + "/"))
-    assert wanted["handoff-broker-tls"] == {"tls.crt", "tls.key", "ca.crt"}
+    assert wanted["handoff-broker-tls"] == {"tls.crt", "tls.key"}
     for secret, keys in wanted.items():
         lines = secret_lines(secret)
         assert lines, f"no line makes the Secret {secret}"
@@ -93,9 +95,6 @@ def test_the_tls_overlays_secret_as_its_comment_makes_it_carries_every_file_the_
                     (tmp_path / word.split("=")[-1]).write_text("-")
             made = yaml.safe_load(kubectl(*words[1:], "--dry-run=client", "-o", "yaml", cwd=tmp_path))
             assert set(made["data"]) >= keys, f"{line}: makes {sorted(made['data'])}, the pod reads {sorted(keys)}"
-    text = (KUBERNETES / "tls-and-tokens" / "kustomization.yaml").read_text()
-    name = build_parser().parse_args(broker["readinessProbe"]["exec"]["command"][1:]).tls_server_name
-    assert f"SANs\n# must include DNS:{name}," in text, "the SAN the probes check is stated"
     assert "kubectl create secret tls" not in "\n".join(secret_lines("handoff-broker-tls"))
 
 
