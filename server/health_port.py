@@ -76,10 +76,12 @@ class HealthPort:
         self._run(self._server.start())
 
     def set(self, service: str, status: ServingStatus) -> None:
-        self._run(self.servicer.set(service, status))
+        if not self._loop.is_closed():  # (once closed, nothing is told: a second stop, say)
+            self._run(self.servicer.set(service, status))
 
     def enter_graceful_shutdown(self) -> None:
-        self._run(self.servicer.enter_graceful_shutdown())
+        if not self._loop.is_closed():
+            self._run(self.servicer.enter_graceful_shutdown())
 
     def close(self) -> None:
         """Stop serving (calls in flight cancelled), let go of the port, end the loop's thread. Idempotent."""
