@@ -162,3 +162,22 @@ def test_where_vllm_runs_its_amx_kernel_amx_is_granted_at_start_up_or_the_connec
     with pytest.raises(RuntimeError, match=r"m: vLLM runs its AMX attention kernel here .*amx_tile.* Linux did not "
                                            r"grant this process AMX state \(arch_prctl ARCH_REQ_XCOMP_PERM"):  # fmt: skip
         require_amx({"amx", "vec"}, "m")  # this CPU has no AMX: Linux refuses for real
+
+
+def test_on_a_cpu_with_amx_tiles_linux_is_asked_at_start_up_whatever_kernel_the_attention_runs(monkeypatch, caplog):
+    asked: list[bool] = []
+    real = torch.cpu._init_amx
+
+    def init_amx() -> bool:  # (Linux asked for real, the call recorded)
+        asked.append(True)
+        return real()
+
+    monkeypatch.setattr(torch.cpu, "_init_amx", init_amx)
+    with cpu_reports({"amx": False}):  # no AMX tiles and no AMX kernel: nothing to ask
+        require_amx({"vec", None}, "m")
+    assert asked == []
+    with cpu_reports({"amx": True}):  # AMX tiles, attention on `vec` (float32, say): vLLM's other AMX kernels may run
+        require_amx({"vec", None}, "m")  # first (fused MoE, gated delta), and vLLM never asks Linux itself
+    assert asked == [True]  # (before: not asked, seen)
+    if not real():  # this CPU: Linux refuses, and start-up goes on with a warning naming the feature
+        assert "m: this CPU has AMX tiles (amx_tile) but Linux did not grant this process AMX state" in caplog.text

@@ -1,29 +1,41 @@
-"""vLLM's CPU kernels, called only where vLLM calls them: a load's writes into CPU pages are made on vLLM's own thread,
-the attention kernel's ISA is the one vLLM gave the layer, and AMX, where that kernel uses it, is granted at start-up.
+"""vLLM's CPU kernels, called only where vLLM calls them, and AMX granted before any of them runs: a load's writes
+into CPU pages are made on vLLM's own thread, the attention kernel's ISA is the one vLLM gave the layer, and on a CPU
+with AMX tiles the process asks Linux for AMX state at start-up.
 
-Why (issue 39, item 7): on CPUs with AMX, bfloat16 Gemma-3 decode instances died of SIGILL in vLLM's attention kernel
-(`cpu_attention_with_kv_cache`) on their first step after loads, where the same engine computing the prompt itself
-(a prefix-cache hit, a chunked N - 1 + 1 prefill) did not. What a load did differently: its layers were written by
-vLLM's own cache writer (the layer's `do_kv_cache_update`: `cpu_attn_reshape_and_cache` for the layer's ISA, an
-OpenMP parallel region; CPU_MLA's writer) on the connector's pull threads, beside the engine's steps. vLLM writes
-pages only from its engine thread, whose OpenMP team it binds to its cores at start-up (VLLM_CPU_OMP_THREADS_BIND),
-and its kernels keep per-thread state (the OpenMP team; AMX's tile configuration, on a CPU whose AMX state Linux
-grants a process on request, arch_prctl ARCH_REQ_XCOMP_PERM). So none of vLLM's kernels is called from a connector
-thread any more (`PageWrites`): a pulled layer waits, as tensors, for vLLM's next `get_finished` call on its own
-thread (every step), which writes every layer pulled so far before it reports any load, so a load is never reported
-before its last write. GPU pages are written by kernels on the device, ordered by the connector's CUDA stream: on
-the pull thread, as before. Where vLLM runs its AMX attention kernel, the connector asks Linux for AMX state at
-start-up, on the engine thread (`require_amx`: torch's `_init_amx`, the whole process's once granted), and refuses
-to start, naming the CPU feature, where Linux will not grant it.
+Why (issue 39, item 7; docs/vllm.md#cpus, with references into vLLM's source): on CPUs with AMX, bfloat16 Gemma-3
+decode instances died of SIGILL in vLLM's attention kernel (`cpu_attention_with_kv_cache`) on their first step after
+three loads, where an engine that had computed a prompt itself did not. Read from vLLM 0.32's source and wheel:
+- bfloat16 pages in blocks of a multiple of 32 run the `amx` kernel (`cpu_attn._get_attn_isa`); a Gemma-3 asked for
+  blocks of 16 gets 32 (its sliding-window spec takes CPU_ATTN's smallest kernel block, and the groups are unified),
+  so both of the report's runs were `amx`;
+- AMX tile instructions fault (#NM, which Linux turns into SIGILL) in a process that has not asked Linux for AMX
+  state (arch_prctl ARCH_REQ_XCOMP_PERM). vLLM never asks: in its `_C` build the one such call is oneDNN's
+  `amx::is_available()`, made when oneDNN first builds a brgemm or matmul, which vLLM's bfloat16 linears do only for
+  more than 4 tokens (sgl-kernels' `can_use_brgemm<BFloat16>(M)`: M > 4; fewer take an AVX-512 BF16 path);
+- an eager CPU engine (`enforce_eager`, an explicit KV-cache size) runs no forward at start-up, and CPU_ATTN's
+  warm-up skips the kernel (`attn_metadata is None`).
+So a decode instance's first forward, a decode of 3 loaded requests, reached the AMX attention kernel before anything
+had asked Linux; a plain engine's first forward, a prefill, had oneDNN ask first. Nothing in the window, the pages
+or the threads is needed for this; float32 never runs AMX. The connector now asks at start-up wherever the CPU has
+AMX tiles (`require_amx`; Linux grants it to the whole process, once): the attention kernel and vLLM's other AMX
+kernels (bfloat16 fused MoE, gated delta) then run wherever they are first reached; where Linux will not grant it and
+the attention kernel is `amx`, the connector refuses to start, naming the feature.
 
-Verified here (no AMX on this machine): the writes' thread and order, vLLM's ISA decision both ways, Linux's
-refusal. Not verified: that these keep a bfloat16 Gemma-3 decode instance alive on an AMX CPU.
+The writes run on vLLM's thread (`PageWrites`) as vLLM's own do (a pulled layer waits, as tensors, for vLLM's next
+`get_finished` call, which writes every layer pulled so far before it reports any load): not needed for AMX (the
+AMX kernel sets its tile configuration per call and thread, and the cache writer uses no tile instruction) but
+keeping vLLM's OpenMP kernels on the thread vLLM bound to its cores. GPU pages are written by kernels on the
+device, ordered by the connector's CUDA stream: on the pull thread.
+
+Verified here (no AMX on this machine): the writes' thread and order, vLLM's ISA decision both ways, the request at
+start-up wherever torch reports AMX tiles, Linux's refusal. Not verified: an AMX machine running these instances.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -51,13 +63,19 @@ def attention_isa(vllm_config: Any, layer_name: str, backend: str, geometry: Geo
 
 
 def require_amx(isas: Iterable[str | None], model: str) -> None:
-    """Where vLLM's attention runs an AMX kernel (`isas`), AMX state granted to this process now, from the engine's
-    thread at start-up; RuntimeError naming the CPU feature where Linux will not grant it."""
-    if not any(isa in AMX_ISAS for isa in isas):
-        return
+    """Where the CPU has AMX tiles, or vLLM's attention runs an AMX kernel (`isas`), AMX state asked of Linux for this
+    process now, from the engine's thread at start-up (torch's `_init_amx`: arch_prctl ARCH_REQ_XCOMP_PERM, the whole
+    process's once granted): vLLM's AMX kernels never ask (module docstring). RuntimeError naming the CPU feature
+    where the attention kernel is AMX and Linux will not grant it; a warning where only vLLM's other AMX kernels may
+    run."""
     import torch
 
-    if not torch.cpu._init_amx():  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA): the whole process's, once granted
+    amx_attention = any(isa in AMX_ISAS for isa in isas)
+    if not amx_attention and not torch.cpu._is_amx_tile_supported():
+        return
+    if torch.cpu._init_amx():  # granted (or already): every AMX kernel may run on any thread of the process
+        return
+    if amx_attention:
         raise RuntimeError(
             f"{model}: vLLM runs its AMX attention kernel here (this CPU has AMX tiles, amx_tile/amx_bf16, and the "
             "pages are bfloat16 in blocks of 32), but Linux did not grant this process AMX state (arch_prctl "
@@ -65,6 +83,9 @@ def require_amx(isas: Iterable[str | None], model: str) -> None:
             "on a kernel that grants it, or with a block size that is not a multiple of 32 or float32 pages (vLLM's "
             "AVX-512 kernels)"
         )
+    logger.warning("%s: this CPU has AMX tiles (amx_tile) but Linux did not grant this process AMX state (arch_prctl "
+                   "ARCH_REQ_XCOMP_PERM): vLLM's attention here is not its AMX kernel, but its other AMX kernels "
+                   "(bfloat16 fused MoE, gated delta) would die of SIGILL", model)  # fmt: skip
 
 
 class PageWrites:
@@ -73,6 +94,11 @@ class PageWrites:
     Invariant: a load's writes are all added before its pull ends (its thread adds them, then ends it), and
     `settle` takes the ended loads first and then makes every write waiting, so no load is reported before its
     last write, and no write of a reported load is made after (vLLM recomputes a failed one's blocks)."""
+
+    seconds = 0.0
+    """The time vLLM's thread has spent in these writes so far, in this process (every instance's: the class's, so
+    that benchmarks/vllm_engines.py reads it beside a running engine); `written`, the layers written."""
+    written = 0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -89,14 +115,18 @@ class PageWrites:
         made; (received, failed), the loads any of whose writes failed among the failed (vLLM recomputes them)."""
         with self._lock:
             waiting, self._waiting = self._waiting, []
+        started = time.perf_counter()
         for request_id, write in waiting:
             if request_id in self._broken or request_id in failed:
                 continue  # (a failed load's pages are recomputed: no use writing them)
             try:
                 write()
+                PageWrites.written += 1
             except Exception:  # the load fails, the engine goes on
                 logger.exception("a pulled layer of request %s was not written into its pages", request_id)
                 self._broken.add(request_id)
+        if waiting:
+            PageWrites.seconds += time.perf_counter() - started
         broken = self._broken & received
         self._broken -= received
         return received, failed | broken
