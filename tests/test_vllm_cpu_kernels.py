@@ -181,3 +181,19 @@ def test_on_a_cpu_with_amx_tiles_linux_is_asked_at_start_up_whatever_kernel_the_
     assert asked == [True]  # (before: not asked, seen)
     if not real():  # this CPU: Linux refuses, and start-up goes on with a warning naming the feature
         assert "m: this CPU has AMX tiles (amx_tile) but Linux did not grant this process AMX state" in caplog.text
+
+
+def test_a_window_layer_asked_for_blocks_of_16_pages_in_32_so_on_amx_cpus_bfloat16_runs_the_amx_kernel():
+    """Why both of issue 39's runs (--block-size 32 and 16) were vLLM's AMX kernel (docs/vllm.md#cpus): a sliding-window
+    layer's spec takes CPU_ATTN's smallest kernel block that holds the asked page (MultipleOf(32): 32), as vLLM's
+    Attention.get_kv_cache_spec asks it; an engine here showed the groups unified to 32 (kv cache group sizes (32, 32))."""
+    from vllm.model_executor.layers.attention.attention import _largest_kernel_block_within
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+
+    per_token = 2 * 2 * 64 * 2  # keys and values, 2 KV heads of 64, bfloat16
+    block = _largest_kernel_block_within(CPUAttentionBackend, per_token, 16 * per_token, 16)
+    assert block == 32
+    with cpu_reports({"amx": True}):
+        assert (_get_attn_isa(torch.bfloat16, block, 64), _get_attn_isa(torch.float32, block, 64)) == ("amx", "vec")
+    with cpu_reports({"amx": False}):
+        assert _get_attn_isa(torch.bfloat16, block, 64) == "vec"
