@@ -73,3 +73,12 @@ class BrokerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def admin_token_file(folder: Path, token: str = "admin") -> Path:
+    """A --tokens file under `folder` holding one token, `token`, named `ops`, with the admin role."""
+    from handoff_broker.auth import hash_token
+
+    path = folder / "tokens.json"
+    path.write_text(json.dumps({"tokens": [{"name": "ops", "sha256": hash_token(token), "roles": ["admin"]}]}))
+    return path

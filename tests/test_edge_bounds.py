@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from broker_process import BrokerProcess
+from broker_process import BrokerProcess, admin_token_file
 from handoff_broker.auth import hash_token
 from handoff_client import HandoffClient
 from handoff_client.protocol.contract import Carried, Contract
@@ -25,9 +25,8 @@ TINY = Contract("tiny", 64, 64, (Carried("k", 0, 64, 16, "float32"),))
 @pytest.fixture
 def secured(tmp_path: Path):
     """A broker with tokens and a 64 MiB --max-bytes, and the admin token."""
-    path = tmp_path / "tokens.json"
-    path.write_text(json.dumps({"tokens": [{"name": "ops", "sha256": hash_token("admin"), "roles": ["admin"]}]}))
-    with BrokerProcess(tmp_path, [TINY], "--tokens", str(path), "--max-bytes", "64MiB", "--grace", "0") as broker:
+    tokens = str(admin_token_file(tmp_path))
+    with BrokerProcess(tmp_path, [TINY], "--tokens", tokens, "--max-bytes", "64MiB", "--grace", "0") as broker:
         yield broker
 
 

@@ -6,7 +6,6 @@ holds one while open: 300 of either took every `--workers` thread, and GetStatus
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -18,10 +17,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from broker_process import BrokerProcess
+from broker_process import BrokerProcess, admin_token_file
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from handoff_broker.app import BrokerConfig, build_server
-from handoff_broker.auth import hash_token
 from handoff_broker.probe_calls import PROBE_CALLS_LIMIT, PROBE_FIRST_MESSAGE_SECONDS
 from handoff_client import HandoffClient
 from handoff_client.protocol.contract import Carried, Contract
@@ -38,9 +36,8 @@ REFUSAL = (
 @pytest.fixture
 def secured(tmp_path: Path):
     """A broker with tokens, its default 256 workers and a health port; the admin token is `admin`."""
-    path = tmp_path / "tokens.json"
-    path.write_text(json.dumps({"tokens": [{"name": "ops", "sha256": hash_token("admin"), "roles": ["admin"]}]}))
-    with BrokerProcess(tmp_path, [TINY], "--tokens", str(path), "--health-port", "0", "--grace", "0") as broker:
+    tokens = str(admin_token_file(tmp_path))
+    with BrokerProcess(tmp_path, [TINY], "--tokens", tokens, "--health-port", "0", "--grace", "0") as broker:
         yield broker
 
 
