@@ -14,7 +14,9 @@ The model is a random-weight Llama built here with transformers (no hub): 4 laye
               background) | example (ExampleConnector, kv_both: writes each layer's pages to files in the forward)
     decode    the same prompt, max_tokens 1, on a second engine: recompute (no connector: prefills it again) |
               handoff (kv_consumer: pulls the hand-off into its pages, computes the last token) | example (loads
-              the files). What the decode takes past one token's compute is the time to have the KV.
+              the files). What the decode takes past one token's compute is the time to have the KV. Of it, the
+              handoff decode's writes into its pages (made on vLLM's thread inside its step, at `get_finished`,
+              since issue 39) are timed apart: "pages written", against recompute and the whole handoff decode.
     --tp      prefill at TP 2: no connector | handoff (each rank pushes its 4 KV heads) | example (each rank
               writes its pages to files; ExampleConnector's paths name no rank, so both ranks write the same files
               and both load one rank's heads: a baseline of time, not of tokens); decode of those hand-offs at TP 2
@@ -98,14 +100,28 @@ def run_prompt(llm, role: str, prompt: list[int], transfer_params: dict | None) 
         transfer_params = {"do_remote_decode": True}
     extra = {"kv_transfer_params": transfer_params} if transfer_params else None
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False, extra_args=extra)
+    writes = page_writes(llm) if role == "handoff-kv_consumer" else None
+    before = (writes.seconds, writes.written) if writes else (0.0, 0)
     started = time.perf_counter()
     output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
     seconds = time.perf_counter() - started
+    write = {}
+    if writes:
+        write = {"write_seconds": writes.seconds - before[0], "layers_written": writes.written - before[1]}
     handed = None
     if producer:  # less remote_prefill_cached_tokens, which the decoder would report as its cached tokens
         handed = {k: v for k, v in output.kv_transfer_params.items() if k != "remote_prefill_cached_tokens"}
         wait_for_pushes(llm)  # one request at a time: its push ends before the next
-    return {"seconds": seconds, "cached": output.num_cached_tokens, "params": handed}
+    return {"seconds": seconds, "cached": output.num_cached_tokens, "params": handed, **write}
+
+
+def page_writes(llm):
+    """The decode connector's writes into its CPU pages (`_cpu_kernels.PageWrites`: made on vLLM's thread inside its
+    step, at `get_finished`, with the time they took), this process's: the engine's worker at TP 1 (the `uni`
+    executor, in process); None at TP 2 (the workers' processes of their own)."""
+    from handoff_client.vllm._cpu_kernels import PageWrites
+
+    return PageWrites if llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 1 else None
 
 
 def wait_for_pushes(llm, timeout: float = 120) -> None:
@@ -333,6 +349,10 @@ def report(prefill: dict, decode: dict, tokens: int, count: int, shape: dict, js
     for name in ("handoff", "example"):
         figures[f"decode_{name}_runs_ms_per_1k"] = [round(1e6 * r["seconds"] / tokens, 1) for r in decode[name]]
         figures[f"decode_{name}_fastest_ms_per_1k"] = min(figures[f"decode_{name}_runs_ms_per_1k"])
+    writes = [r for r in decode["handoff"] if "write_seconds" in r]
+    if writes:  # the writes into the pages, inside vLLM's step, against a plain engine prefilling the same prompt
+        figures["decode_handoff_write_ms_per_1k"] = 1e6 * statistics.median(r["write_seconds"] for r in writes) / tokens
+        figures["decode_handoff_layers_written"] = [r["layers_written"] for r in writes]
     kib = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["hidden_size"] // shape[
         "num_attention_heads"] * 2 / 1024  # fmt: skip
     print(f"{count} prompts of {tokens} tokens, {shape['num_hidden_layers']} layers, {kib:.0f} KiB of KV a token; "
@@ -349,6 +369,11 @@ def report(prefill: dict, decode: dict, tokens: int, count: int, shape: dict, js
           f"{f['decode_example_fastest_ms_per_1k']:8.1f} "
           f"({f['decode_handoff_fastest_ms_per_1k'] / f['decode_example_fastest_ms_per_1k']:.2f}x)   runs each: "
           f"{len(decode['handoff'])}")  # fmt: skip
+    if "decode_handoff_write_ms_per_1k" in f:
+        print(f"  decode: pages written    in vLLM's step {f['decode_handoff_write_ms_per_1k']:8.1f} "
+              f"({f['decode_handoff_write_ms_per_1k'] / f['decode_recompute_ms_per_1k']:.3f}x recompute, "
+              f"{f['decode_handoff_write_ms_per_1k'] / f['decode_handoff_ms_per_1k']:.3f}x the handoff decode; layers "
+              f"a load {sorted(set(f['decode_handoff_layers_written']))})")  # fmt: skip
     if "prefill_none_tp2_ms_per_1k" in f:
         print(f"  prefill TP 2             none {f['prefill_none_tp2_ms_per_1k']:8.1f}   handoff "
               f"{f['prefill_handoff_tp2_ms_per_1k']:8.1f} "
