@@ -80,8 +80,8 @@ def require_amx(isas: Iterable[str | None], model: str) -> None:
             f"{model}: vLLM runs its AMX attention kernel here (this CPU has AMX tiles, amx_tile/amx_bf16, and the "
             "pages are bfloat16 in blocks of 32), but Linux did not grant this process AMX state (arch_prctl "
             "ARCH_REQ_XCOMP_PERM; Linux 5.16 or later grants it): every AMX instruction would die of SIGILL. Run "
-            "on a kernel that grants it, or with a block size that is not a multiple of 32 or float32 pages (vLLM's "
-            "AVX-512 kernels)"
+            "on a kernel that grants it, or serve the model in float32 (--dtype float32: vLLM's AVX-512 kernels; "
+            "CPU_ATTN takes no block size other than multiples of 32, so the block size cannot avoid it)"
         )
     logger.warning("%s: this CPU has AMX tiles (amx_tile) but Linux did not grant this process AMX state (arch_prctl "
                    "ARCH_REQ_XCOMP_PERM): vLLM's attention here is not its AMX kernel, but its other AMX kernels "
