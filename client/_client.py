@@ -49,7 +49,7 @@ from .protocol.lane import MAX_CONNECTIONS, new_capability
 from .protocol.limits import DEFAULT_CHUNK_BYTES
 from .protocol.messages import handoff_pb2 as pb
 from .protocol.shards import Shard, as_shard, view
-from .protocol.tickets import make_ticket, ticket_for
+from .protocol.tickets import make_ticket, pulled_incarnation, ticket_for
 from .protocol.wire import (
     contract_from_proto,
     decode_pull_response,
@@ -329,7 +329,7 @@ class BrokerClient:
         are of the filled shape, as `pull` returns them. `lanes=False`: the chunks on the stream, even where the
         broker offers a lane. A `ticket` is checked as `pull` checks it.
         """
-        incarnation = self._check_ticket(model, handoff_id, ticket)
+        incarnation = self._check_ticket(model, handoff_id, ticket)  # (the PullRequest fields it makes)
         part = as_shard(model, shard)
         declared = self.get_contract(model)
         deadline = self.timeout if timeout is None else timeout
@@ -344,20 +344,20 @@ class BrokerClient:
             lane_capability=new_capability() if lane is not None else b"",
             lane_kind=lane.kind if lane is not None else pb.LANE_KIND_UNSPECIFIED,
             lane_connections=connections_for(lane, self.lane_connections) if lane is not None else 0,
-            incarnation=incarnation,
+            **incarnation,
         )
         into = None if into is None else as_arrays(model, into, "into")
         arrays = destinations(view(declared, part, pushing=False), into)  # checked before the claim
         stream = self._pull(request, timeout=deadline, metadata=self._metadata)
         return PulledTensors(self, declared, part, handoff_id, stream, deadline, arrays, request)
 
-    def _check_ticket(self, model: str, handoff_id: str, ticket: str | None) -> str:
+    def _check_ticket(self, model: str, handoff_id: str, ticket: str | None) -> dict[str, str | bool]:
         """A ticket must name this hand-off and the contract this broker serves for the model; the broker
-        incarnation it names ("": none, or no ticket), which the pull asks the broker to be."""
+        incarnation it names, as the PullRequest fields that ask the broker to be it ({}: none, or no ticket)."""
         fields = ticket_for(ticket, model, handoff_id) if ticket is not None else {}
         if fields and fields["f"] != (served := self.get_contract(model).fingerprint):
             raise FingerprintMismatch(model, served, fields["f"])
-        return fields.get("n", "")
+        return pulled_incarnation(fields)
 
     def _confirm_claim(
         self, model: str, handoff_id: str, claim: int, timeout: float, shard: pb.Shard | None = None

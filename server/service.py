@@ -15,7 +15,6 @@ import grpc
 from handoff_client.protocol.errors import (
     MAX_FIELD_CHARS,
     BrokerBusy,
-    BrokerRestarted,
     HandoffError,
     LaneBroken,
     MalformedRequest,
@@ -42,6 +41,7 @@ from .lane_calls import (
 from .lanes import LaneListener
 from .metrics import Metrics
 from .pull_stream import PullProgress, audit_stream, pull_header
+from .restarts import Incarnation
 from .rpc import mapped, mapped_stream
 from .store import Store
 from .watchdog import Watchdog
@@ -81,7 +81,8 @@ class HandoffBrokerServicer:
         incarnation: str = "",
     ) -> None:
         self.store = store
-        self.incarnation = incarnation  # (PushResponse and StatusResponse say it; a pull naming another is refused)
+        # Said by PushResponse, StatusResponse and LanesResponse; a pull naming another is refused (restarts.py).
+        self.incarnation = Incarnation(incarnation)
         self.metrics = metrics
         self.admission = admission
         self.watchdog = watchdog
@@ -226,14 +227,13 @@ class HandoffBrokerServicer:
             chunks=result.chunks,
             digest=result.digest,
             duplicate=result.duplicate,
-            incarnation=self.incarnation,
+            incarnation=self.incarnation.value,
         )
 
     @mapped_stream
     def PullHandoff(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         authorize_model(request.model)
-        if request.incarnation and request.incarnation != self.incarnation:  # (before it may wait for a push)
-            raise BrokerRestarted(request.model, request.handoff_id, request.incarnation[:64], self.incarnation)
+        self.incarnation.refuse_now(request)  # a ticket's `n` of another incarnation (before it may wait for a push)
         progress = PullProgress()
         # The stream slot is held while the call may hold a thread: given back once the call has ended and no thread
         # runs its handler (a generator grpcio abandons mid-send is closed only when collected), never before.
@@ -266,6 +266,7 @@ class HandoffBrokerServicer:
         wait = _wait_budget(context)
         if request.wait_seconds:
             wait = min(wait, request.wait_seconds)
+        wait, restarted = self.incarnation.wait_for(request, wait)  # a ticket's `e` of another one (restarts.py)
         if request.audit:  # a read that claims nothing (pull_stream.audit_stream)
             shard = shard_from_proto(request.model, request)
             yield from audit_stream(self.store, request, shard, wait, context, self.admission.waiting)
@@ -290,6 +291,8 @@ class HandoffBrokerServicer:
             )
         except WaitTimedOut as e:
             self.metrics.pulls.labels(self._model_label(request.model), "refused").inc()
+            if restarted and (waiting is not None or not wait):  # (its grace over; else it was only busy)
+                raise self.incarnation.restarted(request) from e
             if waiting is None:
                 budget = self.admission.waiting
                 raise BrokerBusy(budget.what, budget.limit, request.model) from e
@@ -374,14 +377,14 @@ class HandoffBrokerServicer:
             oldest_seconds=stats.oldest_seconds,
             tombstones=stats.tombstones,
             draining=stats.draining,
-            incarnation=self.incarnation,
+            incarnation=self.incarnation.value,
             contracts=[contract_to_proto(self.store.contracts[m]) for m in sorted(self.store.contracts) if may_see(m)],
         )
 
     @mapped
     def GetLanes(self, request: pb.LanesRequest, context: grpc.ServicerContext) -> pb.LanesResponse:
         authorize_lanes(request.model)
-        return pb.LanesResponse(lanes=self.offers)
+        return pb.LanesResponse(lanes=self.offers, incarnation=self.incarnation.value)
 
     @mapped
     def GetPushProgress(self, request: pb.PushProgressRequest, context: grpc.ServicerContext) -> pb.PushProgress:

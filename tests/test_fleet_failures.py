@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from broker_process import BrokerProcess
 from conftest import assert_same_bits, seeded_tensors
+from handoff_broker.restarts import RESTART_GRACE_SECONDS
 from handoff_client import BrokerRestarted, BrokerUnavailable, HandoffClient, HandoffError
-from handoff_client.fleet import read_ticket, rendezvous
+from handoff_client.fleet import make_ticket, read_ticket, rendezvous
 from handoff_client.protocol.contract import Carried, Contract
 
 SMALL = Contract("small", 64, 64, (Carried("k", 0, 64, 256, "float32"),))
@@ -76,6 +77,40 @@ def test_a_pull_by_ticket_after_its_broker_restarted_is_refused_at_once_by_name(
                                     TENSORS).ticket  # fmt: skip
                 fields = read_ticket(ticket)
                 assert_same_bits(fleet.pull(SMALL.model, fields["i"], ticket=ticket).state, TENSORS)
+
+
+def test_a_ticket_made_before_its_push_is_refused_after_a_restart_only_if_its_hand_off_is_not_there(tmp_path):
+    """A ticket's `e` (made before its push, as the vLLM connector's are: the incarnation its producer last knew,
+    which may be stale) after its broker restarted: a hand-off the new incarnation does not know is refused,
+    BrokerRestarted, within the broker's restart grace, and at once after it; one pushed to the new incarnation is
+    served, even when the pull began waiting before the push (pull-before-push is normal for vLLM). Before `e`, such
+    a ticket named no incarnation and the lost hand-off's pull waited 8 s of 8."""
+    with ExitStack() as stack:
+        (broker,) = _brokers(stack, tmp_path / "a")
+        address, port = broker.address, broker.address.rsplit(":", 1)[1]
+        with HandoffClient(address) as client:
+            old = read_ticket(client.push(SMALL.model, "lost", 1, TENSORS).ticket)["n"]
+        broker.stop()
+
+        def made_before_push(handoff_id: str) -> str:
+            return make_ticket(address, SMALL.model, handoff_id, SMALL.fingerprint, old, before_push=True)
+
+        with BrokerProcess(tmp_path / "a", [SMALL], *FAST, "--port", port), HandoffClient(address, timeout=8) as client:
+            with ThreadPoolExecutor(1) as pool:  # (first, while the broker is young: its grace runs from its start)
+                pulling = pool.submit(client.pull, SMALL.model, "late", ticket=made_before_push("late"))
+                time.sleep(0.2)
+                client.push(SMALL.model, "late", 1, TENSORS)
+                assert_same_bits(pulling.result(timeout=8).state, TENSORS)
+            error, took = _raises(client.pull, SMALL.model, "lost", ticket=made_before_push("lost"))
+            assert isinstance(error, BrokerRestarted) and took < RESTART_GRACE_SECONDS + 0.5, (error, took)
+            assert error.fields["expected"] == old and old in error.message
+            client.push(SMALL.model, "held", 1, TENSORS)
+            time.sleep(max(0.0, RESTART_GRACE_SECONDS - took))  # (the grace is over)
+            error, took = _raises(
+                lambda: list(client.pull_tensors(SMALL.model, "lost", ticket=made_before_push("lost")))
+            )
+            assert isinstance(error, BrokerRestarted) and took < 0.5, (error, took)
+            assert_same_bits(client.pull(SMALL.model, "held", ticket=made_before_push("held")).state, TENSORS)
 
 
 def test_a_frozen_broker_is_left_within_seconds_and_named(tmp_path):

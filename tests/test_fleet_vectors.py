@@ -41,14 +41,14 @@ def test_the_placement_vectors_are_the_clients_scores_and_order():
 
 
 def test_the_ticket_vectors_are_what_a_push_returns_and_a_pull_reads():
-    rows = re.findall(r"^\| `([^`]+)`, `([^`]+)`, `([^`]+)`, `(\w+)` (?:then (\d+) `0`s|(\d+) times)(?:, `(\w+)`)? "
-                      r"\| `(hb1:[\w-]+)` \|$", section("Tickets"), re.MULTILINE)  # fmt: skip
-    assert len(rows) == 3
-    for broker, model, handoff_id, start, zeros, times, incarnation, ticket in rows:
+    rows = re.findall(r"^\| `([^`]+)`, `([^`]+)`, `([^`]+)`, `(\w+)` (?:then (\d+) `0`s|(\d+) times)(?:, `(\w+)`)?"
+                      r"( before its push)? \| `(hb1:[\w-]+)` \|$", section("Tickets"), re.MULTILINE)  # fmt: skip
+    assert len(rows) == 4
+    for broker, model, handoff_id, start, zeros, times, incarnation, before, ticket in rows:
         fingerprint = start + "0" * int(zeros) if zeros else start * int(times)
-        assert make_ticket(broker, model, handoff_id, fingerprint, incarnation) == ticket
+        assert make_ticket(broker, model, handoff_id, fingerprint, incarnation, before_push=bool(before)) == ticket
         named = {"b": broker, "m": model, "i": handoff_id, "f": fingerprint} | (
-            {"n": incarnation} if incarnation else {}
+            {"e" if before else "n": incarnation} if incarnation else {}
         )
         assert read_ticket(ticket) == named
         assert "=" not in ticket

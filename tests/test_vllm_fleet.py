@@ -12,11 +12,15 @@ same prompts, given those requests' kv_transfer_params, load their KV from the f
    prompt_digest to bind it, and a position that says otherwise) is refused, and the prompt recomputed: not loaded
    short (rows past the hand-off left as the pages were) nor long. The refusal comes before the claim is confirmed,
    so the hand-off stays with its broker.
+4. A broker restarted after the push (losing what it held): the decode instance's load ends at once (its ticket
+   names the incarnation the producer's scheduler learned, `e`; the broker refuses BROKER_RESTARTED), not after its
+   20 s timeout, and the prompt is recomputed; a ticket naming a stale incarnation still loads what the broker holds.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 import pytest
@@ -29,7 +33,7 @@ vllm = pytest.importorskip(
 
 from handoff_broker import BrokerConfig, build_server
 from handoff_client._architectures import contract_from_config
-from handoff_client.fleet import read_ticket
+from handoff_client.fleet import make_ticket, read_ticket
 from test_claims import wait_until
 
 pytestmark = pytest.mark.timeout(600)  # one engine start on a busy machine
@@ -112,3 +116,57 @@ def test_a_hand_off_at_another_position_than_the_load_expects_is_refused_and_rec
     # broker had sent whole before the pull was refused) leased to that claim for --lease, then ready again.
     with_broker = {b.address: b.store.stats().ready + b.store.stats().claimed for b in brokers}
     assert with_broker == held, ({b.address: b.store.stats() for b in brokers}, held)
+
+
+def restarted(brokers: list, address: str, contract) -> object:
+    """The broker at `address` stopped (what it held is lost) and a new one started there: another incarnation."""
+    index = next(i for i, b in enumerate(brokers) if b.address == address)
+    brokers[index].stop(grace=0)
+    port = int(address.rsplit(":", 1)[1])
+    broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=port, contracts={MODEL: contract}))
+    brokers[index] = broker.start()  # (the fixture stops it)
+    return brokers[index]
+
+
+def stale(params: dict) -> dict:
+    """The params with their ticket naming another incarnation (`e`), as one made before the scheduler learned that
+    its broker had restarted."""
+    fields = read_ticket(params["ticket"])
+    ticket = make_ticket(fields["b"], fields["m"], fields["i"], fields["f"], "0123456789abcdef", before_push=True)
+    return {**params, "ticket": ticket}
+
+
+def test_a_decoder_whose_broker_restarted_since_the_push_recomputes_at_once(fleet):
+    """Before tickets named an incarnation, the load waited its whole timeout (20 s here) for a push that would never
+    come, and only then recomputed. Now it ends within the restarted broker's grace (2 s), by name."""
+    engine, brokers = fleet
+    prompts = [PROMPTS[3], PROMPTS[4]]
+    plain = engine.generate(prompts, [None, None], max_tokens=MAX_TOKENS)
+    before = sum(ready(brokers).values())
+    pushed = engine.generate(prompts, [ASK, ASK], max_tokens=MAX_TOKENS)
+    params = pushed["kv_transfer_params"]
+    wait_until(lambda: sum(ready(brokers).values()) == before + 2)
+    holders = {read_ticket(p["ticket"])["b"] for p in params}
+    incarnations = {b.address: b.incarnation for b in brokers}
+    contract = brokers[0].store.contract(MODEL)
+    for address in holders:
+        restarted(brokers, address, contract)
+    started = time.monotonic()
+    decoded = engine.generate(prompts, [decode_params(p) for p in params], max_tokens=MAX_TOKENS)
+    took = time.monotonic() - started
+    print(f"the load after the restart ended within {took:.2f} s (timeout 20 s)")
+    assert decoded["tokens"] == plain["tokens"] and decoded["cached"] == [0, 0]  # recomputed
+    assert took < 6.0, took  # (the grace, 2 s, then the prompt computed; measured 2.7 s)
+    assert engine.text().count("BROKER_RESTARTED") >= 2
+    assert all(read_ticket(p["ticket"]).get("e") == incarnations[read_ticket(p["ticket"])["b"]] for p in params)
+    # The scheduler learns the new incarnations; a ticket naming a stale one still loads what the broker holds.
+    time.sleep(1.5)
+    before = sum(ready(brokers).values())
+    again = engine.generate(prompts, [ASK, ASK], max_tokens=MAX_TOKENS)
+    wait_until(lambda: sum(ready(brokers).values()) == before + 2)
+    now = {b.address: b.incarnation for b in brokers}
+    tickets = [read_ticket(p["ticket"]) for p in again["kv_transfer_params"]]
+    assert all(t.get("e") == now[t["b"]] for t in tickets), (tickets, now)
+    decoded = engine.generate(prompts, [stale(decode_params(p)) for p in again["kv_transfer_params"]],
+                              max_tokens=MAX_TOKENS)  # fmt: skip
+    assert decoded["tokens"] == plain["tokens"] and decoded["cached"] == [len(p) for p in prompts]

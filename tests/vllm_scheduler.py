@@ -5,7 +5,8 @@ So the connector meets vLLM's own scheduling (preemption, resumption, either mod
 requests) where no engine can run it: vLLM's V2 model runner, every GPU's default, needs Triton, which its CPU build
 lacks, so `VllmConfig.use_v2_model_runner` answers as told while the scheduler is built, which reads it then.
 
-No broker is needed: the scheduler half contacts none (a fleet target aside). Needs vLLM's CPU build."""
+No broker is needed: a producer's scheduler half only asks its target for its incarnation in the background
+(_incarnations.py; none answers here, and its tickets name none). Needs vLLM's CPU build."""
 
 from __future__ import annotations
 

@@ -99,6 +99,10 @@ class FleetClient:
     def get_contract(self, model: str, **kwargs: object):
         return in_order(self._set.brokers(), lambda b: self._at(b, lambda c: c.get_contract(model, **kwargs)))
 
+    def brokers(self) -> list[str]:
+        """The brokers in the set now, sorted."""
+        return self._set.brokers()
+
     def place(self, model: str, handoff_id: str) -> str:
         """The broker a push of this hand-off goes to now: the first of the set in its rendezvous order."""
         brokers = self._set.brokers()

@@ -8,7 +8,8 @@ computed in a step, its save entry (blocks, prompt length) goes into that step's
 worker copies the prompt's rows out of the pages and pushes them in the background. `request_finished` holds a
 saved request's pages (returns True) until the worker reports the push ended, and hands the router
 `kv_transfer_params` = {do_remote_prefill: true, do_remote_decode: false, handoff_id, position, model, ticket,
-prompt_digest}. A 1-token prompt has nothing to hand over (the decoder computes its last token itself): nothing is
+prompt_digest}; the ticket names, as `e`, the broker's incarnation as last learned (_incarnations.py), so that a
+decoder whose broker restarted since is told so at once (BrokerRestarted) and recomputes. A 1-token prompt has nothing to hand over (the decoder computes its last token itself): nothing is
 pushed. Under a contract that cannot be rewound (recurrent state, a sliding window's ring) a handed-off request's
 last prompt token is dropped before it is scheduled and the hand-off is at N - 1 (the last-token rule,
 _last_token.py); block ids are kept per KV-cache group (_groups.py). Each step's metadata also names the requests
@@ -43,6 +44,7 @@ from handoff_client.protocol.prompts import prompt_digest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ._groups import BlockIds, GroupMap, extend, per_group
+from ._incarnations import Incarnations
 from ._last_token import stops_short, truncate
 from ._settings import ConnectorSettings
 from ._stats import HandoffConnectorStats
@@ -131,6 +133,14 @@ class SchedulerHalf:
         self._placed: dict[str, str] = {}  # producer: request -> the fleet broker its push goes to, its ticket names
         # A fleet target: each push is placed here, before its ticket is handed out (the worker pushes there alone).
         self._fleet = FleetClient(settings.target) if is_fleet(settings.target) else None
+        # Producer: each broker's incarnation, which its tickets name, learned from start-up on (the set's brokers then).
+        self._incarnations = Incarnations(settings, contract.model) if producer else None
+        if self._incarnations is not None:
+            try:
+                for broker in self._fleet.brokers() if self._fleet is not None else [settings.target]:
+                    self._incarnations.of(broker)
+            except HandoffError as e:  # (the set cannot be read now: each broker is learned once a ticket names it)
+                logger.info("the brokers' incarnations are not learned at start-up: %s", e.message)
         self._loads: dict[str, LoadSpec] = {}
         self._loaded: set[str] = set()
         self._refused: set[str] = set()  # consumer: requests whose hand-off was refused (logged and counted once)
@@ -139,9 +149,12 @@ class SchedulerHalf:
         self.stats = HandoffConnectorStats()
 
     def shutdown(self) -> None:
-        """Close the fleet client that places pushes, if any (its channels and its membership's watch)."""
+        """Close the fleet client that places pushes, if any (its channels and its membership's watch), and the
+        incarnations' thread and channels."""
         if self._fleet is not None:
             self._fleet.close()
+        if self._incarnations is not None:
+            self._incarnations.close()
 
     def handoff_id(self, request_id: str) -> str:
         """The hand-off id of a request to hand off (`handoff_id_for`)."""
@@ -289,5 +302,7 @@ class SchedulerHalf:
         handoff_id = self.handoff_id(request.request_id)
         digest = self._wanted.pop(request.request_id)
         model = self.contract.model
-        ticket = make_ticket(broker or self.settings.target, model, handoff_id, self.contract.fingerprint)
+        broker = broker or self.settings.target
+        incarnation = self._incarnations.of(broker) if self._incarnations is not None else ""
+        ticket = make_ticket(broker, model, handoff_id, self.contract.fingerprint, incarnation, before_push=True)
         return True, transfer_params(handoff_id, rows, model, ticket, digest)  # pages held

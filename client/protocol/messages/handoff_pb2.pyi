@@ -217,7 +217,7 @@ class PushResponse(_message.Message):
     def __init__(self, handoff_id: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., digest: _Optional[str] = ..., duplicate: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "handoff_id", "supersedes", "shard", "wait_seconds", "lane_capability", "lane_kind", "lane_connections", "incarnation", "audit")
+    __slots__ = ("model", "handoff_id", "supersedes", "shard", "wait_seconds", "lane_capability", "lane_kind", "lane_connections", "incarnation", "incarnation_before_push", "audit")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDES_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class PullRequest(_message.Message):
     LANE_KIND_FIELD_NUMBER: _ClassVar[int]
     LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_BEFORE_PUSH_FIELD_NUMBER: _ClassVar[int]
     AUDIT_FIELD_NUMBER: _ClassVar[int]
     model: str
     handoff_id: str
@@ -237,8 +238,9 @@ class PullRequest(_message.Message):
     lane_kind: LaneKind
     lane_connections: int
     incarnation: str
+    incarnation_before_push: bool
     audit: bool
-    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., lane_capability: _Optional[bytes] = ..., lane_kind: _Optional[_Union[LaneKind, str]] = ..., lane_connections: _Optional[int] = ..., incarnation: _Optional[str] = ..., audit: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., handoff_id: _Optional[str] = ..., supersedes: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., lane_capability: _Optional[bytes] = ..., lane_kind: _Optional[_Union[LaneKind, str]] = ..., lane_connections: _Optional[int] = ..., incarnation: _Optional[str] = ..., incarnation_before_push: _Optional[bool] = ..., audit: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("model", "handoff_id", "position", "fingerprint", "claim", "bytes", "chunks", "shard", "lane")
@@ -379,10 +381,12 @@ class LanesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class LanesResponse(_message.Message):
-    __slots__ = ("lanes",)
+    __slots__ = ("lanes", "incarnation")
     LANES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     lanes: _containers.RepeatedCompositeFieldContainer[Lane]
-    def __init__(self, lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("receiving", "ready", "claimed", "resident_bytes", "max_bytes", "oldest_seconds", "tombstones", "draining", "contracts", "incarnation")
