@@ -10,6 +10,7 @@ does with it.
   once the broker is RESTART_GRACE_SECONDS past its own start: a producer refreshes what it knows of the broker's
   incarnation at least that often (client/vllm/_incarnations.py: MAX_AGE_SECONDS), so every push its stale tickets
   name has begun by then. Before that the pull waits for the push to begin (within its own wait), then is refused.
+  (A push still waiting for room has not begun: a broker 2 s past its restart is rarely that full.)
 
 Invariant: a hand-off that is here, or whose push begins within the grace, is never refused for its incarnation.
 """

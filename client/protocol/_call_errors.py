@@ -227,15 +227,18 @@ class Draining(BrokerUnavailable):
 
 
 class BrokerRestarted(BrokerUnavailable):
-    """The pull named the incarnation of the broker its push reached (its ticket's), and the broker at that address
-    now is another: it restarted since, and the hand-off was lost with the process that held it. Not retried."""
+    """The pull named the incarnation of the broker its push reached (its ticket's `n`), or that its producer knew
+    before the push (`e`), and the broker at that address now is another, holding nothing of the hand-off: it
+    restarted since, and the hand-off was lost with the process that held it (or, of an `e`, not pushed within the
+    broker's restart grace). Not retried."""
 
     reason = "BROKER_RESTARTED"
 
     def __init__(self, model: str, handoff_id: str, expected: str, incarnation: str) -> None:
         super().__init__(
-            f"{model}/{handoff_id} was pushed to this broker's incarnation {expected}, and it is now incarnation "
-            f"{incarnation}: the broker restarted since, and the hand-off was lost with it",
+            f"the ticket of {model}/{handoff_id} names this broker's incarnation {expected}, and it is now incarnation "
+            f"{incarnation}: the broker restarted since, and holds nothing of the hand-off (lost with the process "
+            "that held it, or never pushed)",
             model=model, handoff_id=handoff_id, expected=expected, incarnation=incarnation,
         )  # fmt: skip
 
