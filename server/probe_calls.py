@@ -1,6 +1,6 @@
 """Health and reflection on the broker's main port, open to callers without a token, without letting them take its
-threads: at most PROBE_CALLS_LIMIT such calls hold a worker thread at once, and each waits at most
-PROBE_FIRST_MESSAGE_SECONDS for its request.
+threads: at most PROBE_CALLS_LIMIT such health checks, and as many Watch and reflection streams, are open at once;
+each waits at most PROBE_FIRST_MESSAGE_SECONDS for its request, and such a stream lives at most PROBE_STREAM_SECONDS.
 
 grpcio's threaded server parks a worker thread on every unary call whose request message has not come, before any
 handler runs and with no deadline; a server stream (Watch) or a bidi stream (reflection) holds one as long as it is
@@ -10,19 +10,25 @@ open. Health and reflection are open by design (probes have no token), so 300 he
     a caller with a valid token (--tokens)      served as before, not counted (the fleet client and the CLI send
                                                 theirs on every call: trusted peers)
     any other caller (every caller, without     takes one of PROBE_CALLS_LIMIT slots when the call is looked up
-    --tokens)                                   (on grpcio's poll thread: no worker thread yet); past the limit the
-                                                call is refused at once, RESOURCE_EXHAUSTED (BROKER_BUSY, counted),
-                                                without reading its request and without a thread
+    --tokens)                                   (on grpcio's poll thread: no worker thread yet), a Check from the
+                                                checks' slots, a Watch or reflection stream from the streams' own;
+                                                past the limit the call is refused at once, RESOURCE_EXHAUSTED
+                                                (BROKER_BUSY, counted), its request unread, taking a moment of a
+                                                thread; its streams are cancelled after PROBE_STREAM_SECONDS
 
 Invariant: a slot stands for a worker thread and is given back exactly once, when the call can hold none any more,
 however it ends. So every method is registered as request-streaming (grpcio then runs the handler at once, whether
 or not the message came, and always runs it: a unary handler never runs for a call cancelled before its message),
 and the handler reads the message itself under a watch (server/watchdog.py) that cancels the call if it has not come
-in PROBE_FIRST_MESSAGE_SECONDS. Check gives its slot back when its handler returns, however; Watch and reflection,
-server streams grpcio may abandon mid-stream, hold theirs as admission's streams do (`HeldWhileRunning`): until the
-call has ended and no thread is inside the handler.
+in PROBE_FIRST_MESSAGE_SECONDS. Check gives its slot back when its handler returns, however. Watch holds a thread
+only while its request is awaited: its handler is non-blocking (grpcio's `experimental_non_blocking`), hands grpc_health
+a `send_response_callback` and returns, and its slot goes back when the call ends (`context.add_callback`). Reflection,
+a bidi stream grpcio may abandon mid-stream, holds its slot as admission's streams do (`HeldWhileRunning`): until the
+call has ended and no thread is inside the handler; a client that stops reading keeps its thread in a send until the
+stream's lifetime ends it.
 
-Probes belong on the health port (server/health_port.py, `--health-port`): it serves health with no thread per call.
+Any peer may still keep the checks' slots taken (a header-only check every few seconds): probes belong on the health
+port (server/health_port.py, `--health-port`), which serves health with no thread per call.
 """
 
 from __future__ import annotations
@@ -40,13 +46,17 @@ from .auth import TokenTable, bearer
 from .watchdog import Watchdog
 
 PROBE_CALLS_LIMIT = 8
-"""Health and reflection calls from callers without a valid token that may hold a worker thread at once: a few
-probes and a grpcurl at a time, at most half of admission's reserve (--workers // 8: 32 at the default 256), so a
-status with a valid token and every push keep their threads however many such calls are opened (`probe_calls_limit`
-for fewer workers)."""
+"""Health checks from callers without a valid token that may be open at once, and as many Watch and reflection
+streams (a budget of their own, so streams held open do not refuse checks): a few probes and a grpcurl at a time.
+Together at most half of admission's reserve (--workers // 8: 32 at the default 256), so a status with a valid token
+and every push keep their threads however many such calls are opened (`probe_calls_limit` for fewer workers)."""
 PROBE_FIRST_MESSAGE_SECONDS = 5.0
 """How long such a call may wait for its request message (and a reflection stream for each next one) before it is
 cancelled: a probe sends its request with its headers; one that sends none would otherwise hold its thread for ever."""
+PROBE_STREAM_SECONDS = 60.0
+"""How long a Watch or reflection stream from a caller without a valid token may stay open: then the broker cancels it
+(CANCELLED), so no peer holds the streams' slots (or a reflection stream's thread, its client not reading) for ever.
+A Watch client opens a new one; a grpcurl session lasts seconds. Token holders' streams are not limited."""
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REFLECTION_SERVICES = (reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection")
 """Server reflection under both its names: `v1alpha` (grpcio-reflection's) and `v1`, which newer tools ask for
@@ -54,14 +64,15 @@ first. The two protocols' messages are the same on the wire, so one servicer ans
 
 
 def probe_calls_limit(workers: int) -> int:
-    """The probe calls a broker of `workers` threads lets hold one: PROBE_CALLS_LIMIT, or half of admission's reserve
-    of threads (server/admission.py: workers // 8) where that is less, at least 1 (1 at --workers 8, 4 at 64)."""
-    return max(1, min(PROBE_CALLS_LIMIT, workers // 16))
+    """The checks (and as many streams) a broker of `workers` threads lets callers without a token open:
+    PROBE_CALLS_LIMIT, or a quarter of admission's reserve of threads (server/admission.py: workers // 8) where that
+    is less, at least 1 (1 at --workers 8, 2 at 64), so checks and streams together take at most half of it."""
+    return max(1, min(PROBE_CALLS_LIMIT, workers // 32))
 
 
 class ProbeCalls(grpc.GenericRpcHandler):
     """The main port's health and reflection handlers, bounded for callers without a valid token (module docstring).
-    `budget.taken` is how many such calls hold a slot now."""
+    `budget.taken` is how many such checks hold a slot now, `streams.taken` how many such streams."""
 
     def __init__(
         self,
@@ -72,6 +83,7 @@ class ProbeCalls(grpc.GenericRpcHandler):
         on_refusal: Callable[[HandoffError], None],
         limit: int = PROBE_CALLS_LIMIT,
         first_message: float = PROBE_FIRST_MESSAGE_SECONDS,
+        stream_seconds: float = PROBE_STREAM_SECONDS,
     ) -> None:
         self._health = health_servicer
         self._reflection = reflection.ReflectionServicer((*reflected, HEALTH_SERVICE, *REFLECTION_SERVICES))
@@ -79,12 +91,15 @@ class ProbeCalls(grpc.GenericRpcHandler):
         self._watchdog = watchdog
         self._on_refusal = on_refusal
         self._first_message = first_message
-        self.budget = Budget("health and reflection calls without a token open (probes: ask --health-port)", limit)
+        self.stream_seconds = stream_seconds
+        self.budget = Budget("health checks without a token open (probes: ask --health-port)", limit)
+        self.streams = Budget("health Watch and reflection streams without a token open (probes: ask --health-port)",
+                              limit)  # fmt: skip
         self._trusted = Budget("health and reflection calls with a valid token", 1 << 40)  # (never full: not bounded)
         check = (health_pb2.HealthCheckRequest.FromString, health_pb2.HealthCheckResponse.SerializeToString)
         reflect = (reflection_pb2.ServerReflectionRequest.FromString,
                    reflection_pb2.ServerReflectionResponse.SerializeToString)  # fmt: skip
-        self._methods: dict[str, tuple[Callable[[Slot], Callable], bool, tuple[Callable, Callable]]] = {
+        self._methods: dict[str, tuple[Callable[[Slot, float | None], Callable], bool, tuple[Callable, Callable]]] = {
             f"/{HEALTH_SERVICE}/Check": (self._check, False, check),
             f"/{HEALTH_SERVICE}/Watch": (self._watch, True, check),
             **{f"/{name}/ServerReflectionInfo": (self._reflect, True, reflect) for name in REFLECTION_SERVICES},
@@ -100,15 +115,17 @@ class ProbeCalls(grpc.GenericRpcHandler):
         token = bearer(details.invocation_metadata) if self._tokens is not None else ""
         if token and self._tokens is not None and self._tokens.authenticate(token) is not None:
             slot = self._trusted.take()
-            return make(behaviour(slot), request_deserializer=deserialize, response_serializer=serialize)
-        slot = self.budget.try_take()
+            return make(behaviour(slot, None), request_deserializer=deserialize, response_serializer=serialize)
+        budget = self.streams if streaming else self.budget
+        slot = budget.try_take()
         if slot is None:
-            return make(self._refuse(streaming))
-        return make(behaviour(slot), request_deserializer=deserialize, response_serializer=serialize)
+            return make(self._refuse(budget))
+        lifetime = self.stream_seconds if streaming else None
+        return make(behaviour(slot, lifetime), request_deserializer=deserialize, response_serializer=serialize)
 
-    def _refuse(self, streaming: bool) -> Callable:
+    def _refuse(self, budget: Budget) -> Callable:
         """A handler that ends the call with BROKER_BUSY at once, its request unread (counted like every refusal)."""
-        error = BrokerBusy(self.budget.what, self.budget.limit)
+        error = BrokerBusy(budget.what, budget.limit)
         self._on_refusal(error)
         status = rpc_status.to_status(to_status(error))
 
@@ -130,21 +147,44 @@ class ProbeCalls(grpc.GenericRpcHandler):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a unary call's request message never came")
         return request
 
-    def _check(self, slot: Slot) -> Callable:
+    def _limit_life(self, context: grpc.ServicerContext, seconds: float | None) -> None:
+        """Cancel the call after `seconds` (None: never), the watch let go of when the call ends."""
+        if seconds is None:
+            return
+        watch = self._watchdog.watch(context.cancel)
+        watch.arm(seconds)
+        if not context.add_callback(watch.close):
+            watch.close()  # (the call has ended already)
+
+    def _check(self, slot: Slot, lifetime: None) -> Callable:
         def check(requests: Iterator[object], context: grpc.ServicerContext) -> object:
             with slot:  # (the handler always runs, and returns or raises: the slot goes back here)
                 return self._health.Check(self._first(requests, context), context)
 
         return check
 
-    def _watch(self, slot: Slot) -> Callable:
-        def responses(requests: Iterator[object], context: grpc.ServicerContext) -> Iterator[object]:
-            yield from self._health.Watch(self._first(requests, context), context)
+    def _watch(self, slot: Slot, lifetime: float | None) -> Callable:
+        """Non-blocking: reads the request (holding the thread at most `first_message` seconds), hands grpc_health
+        grpcio's `send_response_callback` (it sends each status from the thread that sets it) and returns; the slot
+        goes back when the call ends."""
 
-        return self._held(slot, responses)
+        def watch(requests: Iterator[object], context: grpc.ServicerContext, send: Callable[[object], None]) -> None:
+            try:
+                request = self._first(requests, context)
+                self._limit_life(context, lifetime)
+                if not context.add_callback(slot.give_back):
+                    slot.give_back()  # (the call has ended already)
+            except BaseException:
+                slot.give_back()
+                raise
+            self._health.Watch(request, context, send)
 
-    def _reflect(self, slot: Slot) -> Callable:
+        watch.experimental_non_blocking = True  # type: ignore[attr-defined]  (grpcio's flag: no thread while open)
+        return watch
+
+    def _reflect(self, slot: Slot, lifetime: float | None) -> Callable:
         def responses(requests: Iterator[object], context: grpc.ServicerContext) -> Iterator[object]:
+            self._limit_life(context, lifetime)
             watch = self._watchdog.watch(context.cancel)
             try:
                 yield from self._reflection.ServerReflectionInfo(watch.messages(requests, self._first_message), context)

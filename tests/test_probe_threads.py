@@ -20,6 +20,7 @@ import pytest
 from broker_process import BrokerProcess, admin_token_file
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from handoff_broker.app import BrokerConfig, build_server
+from handoff_broker.auth import TokenTable
 from handoff_broker.probe_calls import PROBE_CALLS_LIMIT, PROBE_FIRST_MESSAGE_SECONDS
 from handoff_client import HandoffClient
 from handoff_client.protocol.contract import Carried, Contract
@@ -28,7 +29,7 @@ TINY = Contract("tiny", 64, 64, (Carried("k", 0, 64, 16, "float32"),))
 CHECK = "/grpc.health.v1.Health/Check"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 REFUSAL = (
-    f"the broker already has {PROBE_CALLS_LIMIT} health and reflection calls without a token open (probes: ask "
+    f"the broker already has {PROBE_CALLS_LIMIT} health Watch and reflection streams without a token open (probes: ask "
     "--health-port), its limit; retry shortly"
 )
 
@@ -105,8 +106,9 @@ def test_header_only_health_checks_without_a_token_take_a_few_threads(secured):
 
 def test_open_watch_streams_without_a_token_take_a_few_threads(secured):
     """256 health Watch streams with no token held open: PROBE_CALLS_LIMIT are served, the rest refused at once;
-    status with a token and health answer within 1 s throughout, and once the streams are cancelled (by their
-    client) every slot is back: as many streams are served again. Each held a worker thread while open."""
+    status with a token and health answer within 1 s throughout, a health check with no token too (the checks'
+    slots are their own: it was refused, seen), and once the streams are cancelled (by their client) every slot is
+    back: as many streams are served again. Each held a worker thread while open (101 threads, seen)."""
     request = health_pb2.HealthCheckRequest()
     watch = lambda channel: health_pb2_grpc.HealthStub(channel).Watch(request, timeout=30)
     before = secured.threads()
@@ -119,16 +121,64 @@ def test_open_watch_streams_without_a_token_take_a_few_threads(secured):
         assert len(served) == PROBE_CALLS_LIMIT
         assert {(s.code(), s.details()) for s in refused} == {(grpc.StatusCode.RESOURCE_EXHAUSTED, REFUSAL)}
         assert all(next(stream).status == SERVING for stream in served)
+        assert _check(secured.address) == SERVING
         for stream in served:
             stream.cancel()
     finally:
         close()
-    time.sleep(0.3)
-    again, close = _held_open(watch, PROBE_CALLS_LIMIT, secured.address)
-    try:
-        assert all(next(stream).status == SERVING for stream in again)
-    finally:
-        close()
+    deadline = time.monotonic() + 10  # (the slots come back as the broker sees the cancels: polled, not slept on)
+    while True:
+        again, close = _held_open(watch, PROBE_CALLS_LIMIT, secured.address)
+        try:
+            if all(next(stream, None) is not None for stream in again):
+                break
+            assert time.monotonic() < deadline, [s.code() for s in again if s.done()]
+        except grpc.RpcError:
+            assert time.monotonic() < deadline, "the slots did not come back in 10 s"
+        finally:
+            close()
+        time.sleep(0.1)
+
+
+def test_watch_streams_with_a_token_hold_no_thread(tmp_path):
+    """Health Watch streams with a valid token (not counted) on a broker of 8 worker threads, more streams than
+    threads: each is answered, and a health check with the token still answers within 2 s. Each Watch held a worker
+    thread for its whole life (grpc_health's blocking iterator): the check waited out its deadline (seen)."""
+    tokens = str(admin_token_file(tmp_path))
+    token = (("authorization", "Bearer admin"),)
+    with BrokerProcess(tmp_path, [TINY], "--tokens", tokens, "--workers", "8", "--grace", "0") as broker:
+        request = health_pb2.HealthCheckRequest()
+        watch = lambda channel: health_pb2_grpc.HealthStub(channel).Watch(request, timeout=30, metadata=token)
+        streams, close = _held_open(watch, 24, broker.address)
+        try:
+            assert all(next(stream).status == SERVING for stream in streams)
+            started = time.monotonic()
+            assert _check(broker.address, token) == SERVING
+            assert time.monotonic() - started < 1.0
+        finally:
+            close()
+
+
+def test_streams_without_a_token_end_after_their_lifetime(tmp_path):
+    """A Watch with no token is cancelled by the broker once PROBE_STREAM_SECONDS (1 s here) has passed, and its slot
+    is back; one with a valid token is not limited."""
+    tokens = TokenTable.load(admin_token_file(tmp_path))
+    config = BrokerConfig(contracts={"tiny": TINY}, port=0, lanes=False, tokens=tokens)
+    broker, port = build_server(config)
+    broker.probe_calls.stream_seconds = 1.0
+    with broker, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest()
+        trusted = stub.Watch(request, timeout=30, metadata=(("authorization", "Bearer admin"),))
+        probe = stub.Watch(request, timeout=30)
+        assert (next(probe).status, next(trusted).status) == (SERVING, SERVING)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ended:
+            next(probe)
+        assert ended.value.code() == grpc.StatusCode.CANCELLED
+        assert 0.8 < time.monotonic() - started < 5
+        assert not trusted.done() and broker.probe_calls.streams.taken == 0
+        trusted.cancel()
 
 
 def test_the_health_port_mirrors_the_main_ports_statuses_and_stops_whole(tmp_path):
