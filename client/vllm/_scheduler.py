@@ -9,10 +9,10 @@ worker copies the prompt's rows out of the pages and pushes them in the backgrou
 saved request's pages (returns True) until the worker reports the push ended, and hands the router
 `kv_transfer_params` = {do_remote_prefill: true, do_remote_decode: false, handoff_id, position, model, ticket,
 prompt_digest}; the ticket names, as `e`, the broker's incarnation as last learned (_incarnations.py), so that a
-decoder whose broker restarted since is told so at once (BrokerRestarted) and recomputes. A 1-token prompt has nothing to hand over (the decoder computes its last token itself): nothing is
-pushed. Under a contract that cannot be rewound (recurrent state, a sliding window's ring) a handed-off request's
-last prompt token is dropped before it is scheduled and the hand-off is at N - 1 (the last-token rule,
-_last_token.py); block ids are kept per KV-cache group (_groups.py). Each step's metadata also names the requests
+decoder whose broker restarted since is told so at once (BrokerRestarted) and recomputes. A 1-token prompt has
+nothing to hand over (the decoder computes its last token itself): nothing is pushed. Under a contract that cannot
+be rewound (recurrent state, a sliding window's ring) a handed-off request's last prompt token is dropped before it
+is scheduled and the hand-off is at N - 1 (the last-token rule, _last_token.py); block ids are kept per KV-cache group (_groups.py). Each step's metadata also names the requests
 vLLM preempted in it, whose pages it freed: the worker lets no copy still read them once the next forward pass may
 write them. A request is saved once: resumed after a preemption it comes back among the cached requests
 (`resumed_req_ids`, vLLM's V1 model runner) or among the new ones (its V2 runner, and vLLM 0.34 always), and either
@@ -133,7 +133,8 @@ class SchedulerHalf:
         self._placed: dict[str, str] = {}  # producer: request -> the fleet broker its push goes to, its ticket names
         # A fleet target: each push is placed here, before its ticket is handed out (the worker pushes there alone).
         self._fleet = FleetClient(settings.target) if is_fleet(settings.target) else None
-        # Producer: each broker's incarnation, which its tickets name, learned from start-up on (the set's brokers then).
+        # Producer: each broker's incarnation, which its tickets name, learned from start-up on (the set's brokers
+        # then).
         self._incarnations = Incarnations(settings, contract.model) if producer else None
         if self._incarnations is not None:
             try:
