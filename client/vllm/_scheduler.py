@@ -4,20 +4,20 @@ The router contract is vLLM's P/D convention, the one NIXL-style routers already
 
 Producer (`kv_producer`, `kv_both`): only a request whose `kv_transfer_params` carry `"do_remote_decode": true` is
 handed off; every other request runs untouched and nothing of it is pushed. Once such a request's prompt is fully
-computed in a step, its save entry (blocks, prompt length) goes into that step's metadata; after the step the
-worker copies the prompt's rows out of the pages and pushes them in the background. `request_finished` holds a
-saved request's pages (returns True) until the worker reports the push ended, and hands the router
-`kv_transfer_params` = {do_remote_prefill: true, do_remote_decode: false, handoff_id, position, model, ticket,
-prompt_digest}; the ticket names, as `e`, the broker's incarnation as last learned (_incarnations.py), so that a
-decoder whose broker restarted since is told so at once (BrokerRestarted) and recomputes. A 1-token prompt has
-nothing to hand over (the decoder computes its last token itself): nothing is pushed. Under a contract that cannot
-be rewound (recurrent state, a sliding window's ring) a handed-off request's last prompt token is dropped before it
-is scheduled and the hand-off is at N - 1 (the last-token rule, _last_token.py); block ids are kept per KV-cache group (_groups.py). Each step's metadata also names the requests
-vLLM preempted in it, whose pages it freed: the worker lets no copy still read them once the next forward pass may
-write them. A request is saved once: resumed after a preemption it comes back among the cached requests
-(`resumed_req_ids`, vLLM's V1 model runner) or among the new ones (its V2 runner, and vLLM 0.34 always), and either
-way its hand-off already holds its prompt. The hand-off id is `handoff_id_for`'s, within the broker's 256
-characters whatever the client's request id.
+computed in a step, its save entry (blocks, prompt length) goes into that step's metadata; after the step the worker
+copies the prompt's rows out of the pages and pushes them in the background. `request_finished` holds a saved
+request's pages (returns True) until the worker reports the push ended, and hands the router `kv_transfer_params` =
+{do_remote_prefill: true, do_remote_decode: false, handoff_id, position, model, ticket, prompt_digest}; the ticket
+names, as `e`, the broker's incarnation as last learned (_incarnations.py), so that a decoder whose broker restarted
+since is told so at once (BrokerRestarted) and recomputes. A 1-token prompt has nothing to hand over (the decoder
+computes its last token itself): nothing is pushed. Under a contract that cannot be rewound (recurrent state, a
+sliding window's ring) a handed-off request's last prompt token is dropped before it is scheduled and the hand-off
+is at N - 1 (the last-token rule, _last_token.py); block ids are kept per KV-cache group (_groups.py). Each step's
+metadata also names the requests vLLM preempted in it, whose pages it freed: the worker lets no copy still read them
+once the next forward pass may write them. A request is saved once: resumed after a preemption it comes back among
+the cached requests (`resumed_req_ids`, vLLM's V1 model runner) or among the new ones (its V2 runner, and vLLM 0.34
+always), and either way its hand-off already holds its prompt. The hand-off id is `handoff_id_for`'s, within the
+broker's 256 characters whatever the client's request id.
 
 Consumer (`kv_consumer`, `kv_both`): a request whose `kv_transfer_params` carry a `handoff_id` (and do not set
 `do_remote_prefill` false) has its first `position` prompt tokens loaded asynchronously (vLLM then computes only the
