@@ -33,6 +33,7 @@ from .lanes import LaneListener
 from .metrics import Metrics, MetricsServer
 from .probe_calls import ProbeCalls, probe_calls_limit
 from .registry import FLEET_HEALTH_SERVICE, EtcdRegistration
+from .restarts import restart_grace
 from .rpc import rpc_handler
 from .service import HandoffBrokerServicer
 from .sockets import bind_error
@@ -125,6 +126,9 @@ class BrokerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_streams_per_connection: int = 100
     push_deadline: float = 600.0
+    # How long after its start a pull naming another incarnation before its push (a ticket's `e`) waits for that push
+    # (server/restarts.py: 2 s, or $HANDOFF_RESTART_GRACE).
+    restart_grace: float = field(default_factory=restart_grace)
     # The lanes for bulk bytes (docs/lanes.md), on unless turned off: the TCP lane (its frames sealed while the broker
     # serves TLS), on its port (0: any free one), advertising the host clients should
     # connect to (empty: the one they reached the broker at); the shared-memory lane for clients on this host, on
@@ -213,6 +217,8 @@ class Broker:
             shm_lane_min_bytes=config.shared_memory_lane_min_bytes,
             incarnation=self.incarnation,
         )
+        self.restarts = servicer.incarnation  # (its grace runs from start(): when the port serves)
+        self.restarts.grace = config.restart_grace
         interceptors = [AuthInterceptor(config.tokens, servicer._count_refusal)] if config.tokens else []
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="handoff-rpc"),
@@ -286,6 +292,7 @@ class Broker:
             if self.lanes.socket_path is not None:
                 logger.info("shared-memory lane on %s", self.lanes.socket_path)
         self.server.start()
+        self.restarts.start()
         if self.health.port is not None:
             self.health.port.start()
             logger.info("health on %s:%d (plaintext: statuses only)", _bracketed(self.config.host), self.health_port)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from broker_process import BrokerProcess
 from conftest import assert_same_bits, seeded_tensors
-from handoff_broker.restarts import RESTART_GRACE_SECONDS
+from handoff_broker import BrokerConfig, build_server
+from handoff_broker.restarts import GRACE_ENV, RESTART_GRACE_SECONDS
 from handoff_client import BrokerRestarted, BrokerUnavailable, HandoffClient, HandoffError
 from handoff_client.fleet import make_ticket, read_ticket, rendezvous
 from handoff_client.protocol.contract import Carried, Contract
@@ -79,7 +80,9 @@ def test_a_pull_by_ticket_after_its_broker_restarted_is_refused_at_once_by_name(
                 assert_same_bits(fleet.pull(SMALL.model, fields["i"], ticket=ticket).state, TENSORS)
 
 
-def test_a_ticket_made_before_its_push_is_refused_after_a_restart_only_if_its_hand_off_is_not_there(tmp_path):
+def test_a_ticket_made_before_its_push_is_refused_after_a_restart_only_if_its_hand_off_is_not_there(
+    tmp_path, monkeypatch
+):
     """A ticket's `e` (made before its push, as the vLLM connector's are: the incarnation its producer last knew,
     which may be stale) after its broker restarted: a hand-off the new incarnation does not know is refused,
     BrokerRestarted, within the broker's restart grace, and at once after it; one pushed to the new incarnation is
@@ -95,12 +98,18 @@ def test_a_ticket_made_before_its_push_is_refused_after_a_restart_only_if_its_ha
         def made_before_push(handoff_id: str) -> str:
             return make_ticket(address, SMALL.model, handoff_id, SMALL.fingerprint, old, before_push=True)
 
+        monkeypatch.setenv(GRACE_ENV, "10")  # (a grace the late push begins within however loaded the machine is)
+        with (
+            BrokerProcess(tmp_path / "a", [SMALL], *FAST, "--port", port),
+            HandoffClient(address, timeout=8) as client,
+            ThreadPoolExecutor(1) as pool,
+        ):
+            pulling = pool.submit(client.pull, SMALL.model, "late", ticket=made_before_push("late"))
+            time.sleep(0.2)
+            client.push(SMALL.model, "late", 1, TENSORS)
+            assert_same_bits(pulling.result(timeout=8).state, TENSORS)
+        monkeypatch.delenv(GRACE_ENV)  # (the default grace: the lost hand-off is refused within it, at once after)
         with BrokerProcess(tmp_path / "a", [SMALL], *FAST, "--port", port), HandoffClient(address, timeout=8) as client:
-            with ThreadPoolExecutor(1) as pool:  # (first, while the broker is young: its grace runs from its start)
-                pulling = pool.submit(client.pull, SMALL.model, "late", ticket=made_before_push("late"))
-                time.sleep(0.2)
-                client.push(SMALL.model, "late", 1, TENSORS)
-                assert_same_bits(pulling.result(timeout=8).state, TENSORS)
             error, took = _raises(client.pull, SMALL.model, "lost", ticket=made_before_push("lost"))
             assert isinstance(error, BrokerRestarted) and took < RESTART_GRACE_SECONDS + 0.5, (error, took)
             assert error.fields["expected"] == old and old in error.message
@@ -111,6 +120,25 @@ def test_a_ticket_made_before_its_push_is_refused_after_a_restart_only_if_its_ha
             )
             assert isinstance(error, BrokerRestarted) and took < 0.5, (error, took)
             assert_same_bits(client.pull(SMALL.model, "held", ticket=made_before_push("held")).state, TENSORS)
+
+
+def test_a_restarted_brokers_grace_runs_from_when_its_port_serves(monkeypatch):
+    """The grace ran from when the servicer was built: a broker slow to start (here 2.5 s between build_server and
+    start) had spent it before serving, and refused a pull naming its former incarnation at once, although the
+    hand-off's push came 0.3 s after the pull began."""
+    monkeypatch.setenv(GRACE_ENV, "2.5")
+    broker, _ = build_server(BrokerConfig(host="127.0.0.1", port=0, contracts={SMALL.model: SMALL}, lanes=False))
+    time.sleep(2.5)
+    broker.start()
+    ticket = make_ticket(broker.address, SMALL.model, "late", SMALL.fingerprint, "0123456789abcdef", before_push=True)
+    try:
+        with HandoffClient(broker.address, timeout=8) as client, ThreadPoolExecutor(1) as pool:
+            pulling = pool.submit(client.pull, SMALL.model, "late", ticket=ticket)
+            time.sleep(0.3)
+            client.push(SMALL.model, "late", 1, TENSORS)
+            assert_same_bits(pulling.result(timeout=8).state, TENSORS)
+    finally:
+        broker.stop(grace=0)
 
 
 def test_a_frozen_broker_is_left_within_seconds_and_named(tmp_path):
