@@ -195,7 +195,6 @@ class Broker:
         ]
         waiting_pushes = waiting_windows_budget(config.max_bytes) // STREAM_WINDOW_BYTES
         self.admission = Admission.for_workers(config.workers, waiting_pushes)
-        self.watchdog = Watchdog()
         tcp_lane = (config.host, config.lane_port) if config.lanes else None
         lane_socket = config.lane_socket if config.lanes and config.shared_memory_lane else None
         # Every port is bound here, before anything serves: one taken fails the start naming it, and none is left open.
@@ -205,6 +204,7 @@ class Broker:
             self.lanes = LaneListener(  # (its errors name the flag whose port or path it could not take)
                 tcp_lane, config.lane_advertise_host, lane_socket, sealed, config.lane_max_connections
             )
+        self.watchdog = Watchdog()  # (after the lanes, whose failure to bind would leave its thread running)
         servicer = HandoffBrokerServicer(
             self.store,
             self.metrics,

@@ -221,9 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     health = subcommands.add_parser("health", help="ask a broker's gRPC health service; exit 0 when SERVING")
     _add_connection_flags(health)
     health.add_argument("--timeout", type=positive_seconds, default=3.0, help="seconds to wait for the answer (3)")
-    health.add_argument("--health-port", type=port, metavar="PORT",
+    health.add_argument("--health-port", type=port_or_none, metavar="PORT",
                         help="ask the broker's health port (serve --health-port) on --target's host instead: "
-                        "plaintext, the TLS flags unused")  # fmt: skip
+                        "plaintext, the TLS flags unused; -1: the main port (a broker serving none)")  # fmt: skip
     health.add_argument("--service", default="", type=_health_service,
                         help='the health service to ask: "" (the broker itself: liveness) or handoff.v1.Fleet (in its '
                         "fleet's set: readiness) (\"\")")  # fmt: skip

@@ -31,6 +31,13 @@ HEALTH_PORT_MAX_MESSAGE_BYTES = 4096
 """The largest request the health port reads: a HealthCheckRequest is a service name."""
 HEALTH_PORT_STREAMS_PER_CONNECTION = 16
 """Concurrent calls one connection to the health port may have (a probe makes one at a time)."""
+HEALTH_PORT_MAX_CALLS = 4096
+"""Calls the health port serves at once, over all connections (past it, RESOURCE_EXHAUSTED at once): generous for
+probes, which make one at a time, but Watch streams over many connections cannot grow its memory without bound."""
+HEALTH_PORT_CONNECTION_AGE_SECONDS = 300
+"""A connection to the health port is told to go (GOAWAY) after this long, and its calls then end within
+HEALTH_PORT_CONNECTION_GRACE_SECONDS: a Watch client reconnects; no stream is held for ever."""
+HEALTH_PORT_CONNECTION_GRACE_SECONDS = 30
 ServingStatus = health_pb2.HealthCheckResponse.ServingStatus
 
 
@@ -56,10 +63,12 @@ class HealthPort:
 
     async def _bind(self, address: str) -> tuple[health.aio.HealthServicer, int]:
         servicer = health.aio.HealthServicer()
-        self._server = grpc.aio.server(options=[
+        self._server = grpc.aio.server(maximum_concurrent_rpcs=HEALTH_PORT_MAX_CALLS, options=[
             ("grpc.so_reuseport", 0),  # a taken port fails the start, naming it
             ("grpc.max_receive_message_length", HEALTH_PORT_MAX_MESSAGE_BYTES),
             ("grpc.max_concurrent_streams", HEALTH_PORT_STREAMS_PER_CONNECTION),
+            ("grpc.max_connection_age_ms", HEALTH_PORT_CONNECTION_AGE_SECONDS * 1000),
+            ("grpc.max_connection_age_grace_ms", HEALTH_PORT_CONNECTION_GRACE_SECONDS * 1000),
         ])  # fmt: skip
         health_pb2_grpc.add_HealthServicer_to_server(servicer, self._server)
         try:
@@ -93,6 +102,8 @@ class HealthPort:
                 self._run(server.stop(None))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        if self._thread.is_alive():  # (a callback on the loop never returned: its daemon thread is left to the exit)
+            return
         self._loop.close()
 
 

@@ -44,7 +44,7 @@ def health_of(target: str, args: argparse.Namespace) -> tuple[bool, str]:
 
     tls = _connection(args)
     token = tls.pop("token")  # health needs none; a token sent is not counted among the probes (probe_calls.py)
-    if getattr(args, "health_port", None) is not None:  # the health port: plaintext, on the broker's host
+    if getattr(args, "health_port", None) not in (None, -1):  # the health port: plaintext, on the broker's host
         target, tls, token = f"{target.rsplit(':', 1)[0]}:{args.health_port}", {}, None
     with make_channel(target, **tls) as channel:
         check = channel.unary_unary(HEALTH_CHECK, request_serializer=bytes, response_deserializer=bytes)

@@ -252,7 +252,8 @@ def test_the_lock_is_generated_with_hashes_and_satisfies_pyproject():
 
 def test_the_healthcheck_follows_the_port_setting(start_broker):
     """The Dockerfile's HEALTHCHECK command, run as Docker runs it: healthy against a broker whose health port is
-    HANDOFF_HEALTH_PORT, unhealthy when HANDOFF_HEALTH_PORT names another port."""
+    HANDOFF_HEALTH_PORT, unhealthy when HANDOFF_HEALTH_PORT names another port, healthy again with -1 (no health
+    port: it asks the main port; `health --health-port` refused -1 before, seen)."""
     broker = start_broker(health_port=0)
     match = re.search(r"^HEALTHCHECK .*?CMD (\[.*\])$", DOCKERFILE.replace("\\\n", " "), re.MULTILINE)
     probe = yaml.safe_load(match.group(1))
@@ -267,6 +268,10 @@ def test_the_healthcheck_follows_the_port_setting(start_broker):
     with_other = subprocess.run(probe, env={**os.environ, "PATH": PATH, **other}, capture_output=True, text=True,
                                 timeout=60, check=False)  # fmt: skip
     assert with_other.returncode == 1
+    main = {**ports, "HANDOFF_HEALTH_PORT": "-1"}
+    with_main = subprocess.run(probe, env={**os.environ, "PATH": PATH, **main}, capture_output=True, text=True,
+                               timeout=60, check=False)  # fmt: skip
+    assert with_main.returncode == 0 and f":{ports['HANDOFF_PORT']}: SERVING" in with_main.stdout, with_main.stderr
 
 
 def test_compose_builds_the_broker_image_rather_than_pulling_it():

@@ -183,8 +183,8 @@ def test_streams_without_a_token_end_after_their_lifetime(tmp_path):
 
 def test_the_health_port_mirrors_the_main_ports_statuses_and_stops_whole(tmp_path):
     """The health port tells "", the service and the fleet's status as the main port does, turns NOT_SERVING with
-    it when the broker drains, and after stop no port is left bound and no thread running; a health port that
-    cannot be bound stops the start, naming --health-port, and leaves nothing behind either."""
+    it when the broker drains, and after stop no port is left bound and no thread running; a health port (or a lane
+    port) that cannot be bound stops the start, naming --health-port (--lane-port), and leaves nothing behind either."""
     before = {t.name for t in threading.enumerate()}
     broker, _ = build_server(BrokerConfig(contracts={"tiny": TINY}, port=0, health_port=0, lanes=False, etcd=None))
     broker.start()
@@ -210,6 +210,8 @@ def test_the_health_port_mirrors_the_main_ports_statuses_and_stops_whole(tmp_pat
         free.listen()
         with pytest.raises(OSError, match="--health-port"):
             build_server(BrokerConfig(contracts={"tiny": TINY}, port=0, health_port=ports[1], lanes=False))
+        with pytest.raises(OSError, match="--lane-port"):  # (the watchdog's thread was left running: seen)
+            build_server(BrokerConfig(contracts={"tiny": TINY}, port=0, lane_port=ports[1], shared_memory_lane=False))
     time.sleep(0.2)
     left = {t.name for t in threading.enumerate()} - before
     assert not {name for name in left if name.startswith(("handoff-health", "handoff-watchdog"))}, left
