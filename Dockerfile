@@ -24,7 +24,9 @@ WORKDIR /tmp
 
 # The broker's ports are HANDOFF_PORT and HANDOFF_HEALTH_PORT (serve reads them, as it reads every flag from
 # HANDOFF_*), so the HEALTHCHECK follows them: `docker run -e HANDOFF_HEALTH_PORT=6001 ...` serves health and is
-# probed on 6001. The health port serves plaintext health statuses alone, with no thread per call (docs/security.md).
+# probed on 6001; HANDOFF_HEALTH_PORT=-1 serves none, and the HEALTHCHECK asks HANDOFF_PORT. Two brokers in one
+# network namespace (`--network host`) each need their own HANDOFF_PORT and HANDOFF_HEALTH_PORT. The health port
+# serves plaintext health statuses alone, with no thread per call (docs/security.md).
 ENV HANDOFF_PORT=50051 \
     HANDOFF_HEALTH_PORT=50053 \
     PYTHONDONTWRITEBYTECODE=1
