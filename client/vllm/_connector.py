@@ -82,8 +82,11 @@ class HandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         """None: a load writes only the hand-off's rows, so the rest of its last block, and any block after it, would
         keep whatever bytes a page held before (read back as NaN or Inf where vLLM zeroes: Mamba and mixed-precision
-        caches). vLLM zeroes the fresh blocks of every group not named in the step that sends the load, before
-        `start_load_kv` (either model runner), and the load writes after that (on a GPU, its stream waits for it)."""
+        caches). vLLM zeroes the fresh blocks of the groups not named in the step that sends the load, before
+        `start_load_kv` (either model runner), and the load writes after that (on a GPU, its stream waits for it).
+        vLLM 0.32's CPU runner zeroes full-attention groups only (`cpu_model_runner._zero_block_ids`): a window
+        group's first loaded block keeps, in the slots before the window, what they held (an earlier request's keys
+        and values, or the zeros the cache was allocated with), which its attention masks."""
         return ()
 
     # -- worker side --------------------------------------------------------------------------------------------------
