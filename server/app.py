@@ -219,6 +219,7 @@ class Broker:
         )
         self.restarts = servicer.incarnation  # (its grace runs from start(): when the port serves)
         self.restarts.grace = config.restart_grace
+        self.restarts.forget = self.store.cancel  # (a late push of a hand-off refused for its `e`: refused)
         interceptors = [AuthInterceptor(config.tokens, servicer._count_refusal)] if config.tokens else []
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="handoff-rpc"),

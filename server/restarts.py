@@ -14,8 +14,8 @@ does with it.
   before the restart to its push's header here (a step's end and the push's reconnect). Before the grace ends the
   pull waits for the push to begin (within its own wait), then is refused. (A push still waiting for room has not
   begun: a broker 2 s past its restart is rarely that full.) A push that begins after its pull was refused (a host
-  gone silent, unseen by the producer's idle connection for up to 12 s) is kept until its TTL, counted against
-  --max-bytes: the decoder recomputed; nothing wrong is loaded.
+  gone silent, unseen by the producer's idle connection for up to 12 s) is refused (the hand-off was cancelled
+  with the refusal: `forget`): the decoder recomputed; nothing wrong is loaded.
 
 Invariant: a hand-off that is here, or whose push begins within the grace, is never refused for its incarnation.
 """
@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from handoff_client.protocol.errors import BrokerRestarted
@@ -34,6 +36,8 @@ RESTART_GRACE_SECONDS = 2.0
 """How long after its start a broker lets a pull naming another incarnation before its push (a ticket's `e`) wait
 for a push not yet begun: the time its producers take to see the old broker's connections close (milliseconds,
 allowed 1 s) plus the time from a ticket to its push's header (a step's end: milliseconds, allowed 1 s)."""
+REFUSED_KEPT = 4096
+"""How many hand-offs refused for a ticket's `e` the broker remembers, to refuse their pulls again by that name."""
 GRACE_ENV = "HANDOFF_RESTART_GRACE"
 """The environment variable that sets another grace, in seconds (advanced: tests on a loaded machine; a producer that
 takes longer from its ticket to its push). BrokerConfig.restart_grace takes it as its default."""
@@ -63,15 +67,27 @@ class Incarnation:
         self.clock = clock
         self.grace = grace
         self.born = clock()  # (again by start(): when the port serves)
+        self.forget: Callable[[str, str], object] | None = None
+        """Set by the broker (its store's cancel): a hand-off refused for a ticket's `e` is forgotten for good (a
+        cancelled tombstone, kept as long as any), so a push of it that comes later is refused at once (HANDOFF_GONE)
+        instead of held until its TTL against --max-bytes: its decoder has recomputed."""
+        self.refused: OrderedDict[tuple[str, str], None] = OrderedDict()  # (the last REFUSED_KEPT, for refuse_now)
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         """The broker's port serves from now: its grace runs from here, not from when it was built."""
         self.born = self.clock()
 
     def refuse_now(self, request: pb.PullRequest) -> None:
-        """A pull following a ticket's `n` of another incarnation: refused at once (BrokerRestarted)."""
+        """A pull following a ticket's `n` of another incarnation, or a ticket's `e` whose hand-off was refused
+        already: refused at once (BrokerRestarted)."""
         if request.incarnation and request.incarnation != self.value and not request.incarnation_before_push:
             raise self.restarted(request)
+        if request.incarnation_before_push and request.incarnation != self.value:
+            with self._lock:
+                again = (request.model, request.handoff_id) in self.refused
+            if again:  # (a ticket's `e` refused before: so again, not HandoffCancelled by the tombstone `forget` left)
+                raise self.restarted(request)
 
     def wait_for(self, request: pb.PullRequest, wait: float) -> tuple[float, bool]:
         """How long the pull may wait for its push to begin (it asked for `wait`), and whether the end of that wait
@@ -83,4 +99,12 @@ class Incarnation:
         return (grace, True) if grace <= wait else (wait, False)
 
     def restarted(self, request: pb.PullRequest) -> BrokerRestarted:
+        """The refusal of a pull naming another incarnation; a ticket's `e` also has its hand-off forgotten."""
+        if request.incarnation_before_push:
+            with self._lock:
+                self.refused[(request.model, request.handoff_id)] = None
+                while len(self.refused) > REFUSED_KEPT:
+                    self.refused.popitem(last=False)
+            if self.forget is not None:
+                self.forget(request.model, request.handoff_id)
         return BrokerRestarted(request.model, request.handoff_id, request.incarnation[:64], self.value)

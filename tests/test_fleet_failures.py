@@ -19,7 +19,7 @@ from broker_process import BrokerProcess
 from conftest import assert_same_bits, seeded_tensors
 from handoff_broker import BrokerConfig, build_server
 from handoff_broker.restarts import GRACE_ENV, RESTART_GRACE_SECONDS
-from handoff_client import BrokerRestarted, BrokerUnavailable, HandoffClient, HandoffError
+from handoff_client import BrokerRestarted, BrokerUnavailable, HandoffClient, HandoffError, HandoffGone
 from handoff_client.fleet import make_ticket, read_ticket, rendezvous
 from handoff_client.protocol.contract import Carried, Contract
 
@@ -120,6 +120,9 @@ def test_a_ticket_made_before_its_push_is_refused_after_a_restart_only_if_its_ha
             )
             assert isinstance(error, BrokerRestarted) and took < 0.5, (error, took)
             assert_same_bits(client.pull(SMALL.model, "held", ticket=made_before_push("held")).state, TENSORS)
+            # A push of the refused hand-off that comes late (its decoder has recomputed) is refused, not held.
+            error, took = _raises(client.push, SMALL.model, "lost", 1, TENSORS)
+            assert isinstance(error, HandoffGone) and took < 1.0, (error, took)
 
 
 def test_a_restarted_brokers_grace_runs_from_when_its_port_serves(monkeypatch):
