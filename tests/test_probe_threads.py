@@ -19,6 +19,7 @@ import grpc
 import pytest
 from broker_process import BrokerProcess, admin_token_file
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.reflection_pb2 import ServerReflectionRequest, ServerReflectionResponse
 from handoff_broker.app import BrokerConfig, build_server
 from handoff_broker.auth import TokenTable
 from handoff_broker.probe_calls import PROBE_CALLS_LIMIT, PROBE_FIRST_MESSAGE_SECONDS
@@ -27,6 +28,7 @@ from handoff_client.protocol.contract import Carried, Contract
 
 TINY = Contract("tiny", 64, 64, (Carried("k", 0, 64, 16, "float32"),))
 CHECK = "/grpc.health.v1.Health/Check"
+REFLECT = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 REFUSAL = (
     f"the broker already has {PROBE_CALLS_LIMIT} health Watch and reflection streams without a token open (probes: ask "
@@ -42,10 +44,10 @@ def secured(tmp_path: Path):
         yield broker
 
 
-def _check(address: str, metadata: tuple | None = None) -> int:
+def _check(address: str, metadata: tuple | None = None, timeout: float = 1) -> int:
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return stub.Check(health_pb2.HealthCheckRequest(), timeout=1, metadata=metadata).status
+        return stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout, metadata=metadata).status
 
 
 def _answers_throughout(broker: BrokerProcess, seconds: float) -> None:
@@ -142,8 +144,8 @@ def test_open_watch_streams_without_a_token_take_a_few_threads(secured):
 
 def test_watch_streams_with_a_token_hold_no_thread(tmp_path):
     """Health Watch streams with a valid token (not counted) on a broker of 8 worker threads, more streams than
-    threads: each is answered, and a health check with the token still answers within 2 s. Each Watch held a worker
-    thread for its whole life (grpc_health's blocking iterator): the check waited out its deadline (seen)."""
+    threads: each is answered, and a health check with the token still answers within 3 s. Each Watch held a worker
+    thread for its whole life (grpc_health's blocking iterator): the 9th stream waited out its deadline (seen)."""
     tokens = str(admin_token_file(tmp_path))
     token = (("authorization", "Bearer admin"),)
     with BrokerProcess(tmp_path, [TINY], "--tokens", tokens, "--workers", "8", "--grace", "0") as broker:
@@ -152,16 +154,14 @@ def test_watch_streams_with_a_token_hold_no_thread(tmp_path):
         streams, close = _held_open(watch, 24, broker.address)
         try:
             assert all(next(stream).status == SERVING for stream in streams)
-            started = time.monotonic()
-            assert _check(broker.address, token) == SERVING
-            assert time.monotonic() - started < 1.0
+            assert _check(broker.address, token, timeout=3) == SERVING  # (a loaded machine's margin)
         finally:
             close()
 
 
 def test_streams_without_a_token_end_after_their_lifetime(tmp_path):
-    """A Watch with no token is cancelled by the broker once PROBE_STREAM_SECONDS (1 s here) has passed, and its slot
-    is back; one with a valid token is not limited."""
+    """A Watch and a reflection stream with no token are cancelled by the broker once PROBE_STREAM_SECONDS (1 s here)
+    has passed, and their slots are back; a Watch with a valid token is not limited."""
     tokens = TokenTable.load(admin_token_file(tmp_path))
     config = BrokerConfig(contracts={"tiny": TINY}, port=0, lanes=False, tokens=tokens)
     broker, port = build_server(config)
@@ -171,12 +171,24 @@ def test_streams_without_a_token_end_after_their_lifetime(tmp_path):
         request = health_pb2.HealthCheckRequest()
         trusted = stub.Watch(request, timeout=30, metadata=(("authorization", "Bearer admin"),))
         probe = stub.Watch(request, timeout=30)
-        assert (next(probe).status, next(trusted).status) == (SERVING, SERVING)
+        reflect = channel.stream_stream(REFLECT, request_serializer=ServerReflectionRequest.SerializeToString,
+                                        response_deserializer=ServerReflectionResponse.FromString)  # fmt: skip
+        asked = threading.Event()
+
+        def asking():  # one question, then the stream kept open, asking nothing more
+            yield ServerReflectionRequest(list_services="")
+            asked.wait(30)
+
+        listing = reflect(asking(), timeout=30)
         started = time.monotonic()
-        with pytest.raises(grpc.RpcError) as ended:
-            next(probe)
-        assert ended.value.code() == grpc.StatusCode.CANCELLED
-        assert 0.8 < time.monotonic() - started < 5
+        assert (next(probe).status, next(trusted).status) == (SERVING, SERVING)
+        assert next(listing).list_services_response.service
+        for stream in (probe, listing):
+            with pytest.raises(grpc.RpcError) as ended:
+                next(stream)
+            assert ended.value.code() == grpc.StatusCode.CANCELLED
+        assert 0.8 < time.monotonic() - started < PROBE_FIRST_MESSAGE_SECONDS - 1  # (its lifetime, not its idle watch)
+        asked.set()
         assert not trusted.done() and broker.probe_calls.streams.taken == 0
         trusted.cancel()
 
