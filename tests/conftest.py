@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +14,19 @@ from handoff_broker.contracts import load_contracts
 from handoff_client import Contract, HandoffClient
 
 MANIFESTS = Path(__file__).parent / "manifests"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Where a collected module starts vLLM engines (it imported tests/engine_zygote.py, through vllm_driver or
+    vllm_serve), the zygote they fork from starts now, its imports overlapping the tests before them."""
+    if "engine_zygote" in sys.modules and session.items and not session.config.option.collectonly:
+        sys.modules["engine_zygote"].start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The zygote stopped, with any engine forked from it still running (each test's own are stopped already)."""
+    if "engine_zygote" in sys.modules:
+        sys.modules["engine_zygote"].stop()
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,9 @@ own work, and each bound to a core of its own in turn (VLLM_CPU_OMP_THREADS_BIND
 cores spin their OpenMP threads against each other). An engine is either driven one JSON command a line (session
 mode: `"session": true` in its settings) or runs its prompts start to finish (one shot).
 
-Engine start-ups are what the vLLM tests spend their time on (15-40 s each on 2 cores, most of it importing torch and
-vLLM on one core): a module starts every engine it needs at once, in one fixture, and its tests share them. A session
+Engine start-ups are what the vLLM tests spend their time on (15-40 s each on 2 cores in a fresh interpreter, most of
+it importing torch and vLLM on one core; a few seconds forked from tests/engine_zygote.py, as each is): a module
+starts every engine it needs at once, in one fixture, and its tests share them. A session
 engine's stdout carries its answers (vLLM's own log lines between them are kept, for `text`); a one-shot engine's
 stdout goes to a file, so that a process nobody reads yet never blocks on a full pipe.
 """
@@ -19,6 +20,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from engine_zygote import command
 
 ROLES = Path(__file__).resolve().parent / "vllm_roles.py"
 _CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -46,7 +49,7 @@ class Engine:
         env = {**os.environ, "VLLM_CACHE_ROOT": str(folder / "vllm-cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "VLLM_CPU_OMP_THREADS_BIND": bind or next_core(), **(env or {})}  # fmt: skip
         with open(self.err_path, "w") as err, open(self.out_path, "w") as out:
-            self.process = subprocess.Popen([sys.executable, str(script), role, str(model_dir), str(file)],
+            self.process = subprocess.Popen(command([sys.executable, str(script), role, str(model_dir), str(file)]),
                                             stdin=subprocess.PIPE if self.session else subprocess.DEVNULL,
                                             stdout=subprocess.PIPE if self.session else out, stderr=err, text=True,
                                             env=env)  # fmt: skip

@@ -12,6 +12,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from engine_zygote import command as zygote_command
+from engine_zygote import ended
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -28,17 +31,12 @@ def serve(model_dir: Path, folder: Path, port: int, arguments: list[str], bind: 
            "VLLM_CPU_OMP_THREADS_BIND": bind}  # fmt: skip
     log = folder / f"serve-{port}.log"
     with open(log, "w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env), log
+        return subprocess.Popen(zygote_command(command), stdout=out, stderr=subprocess.STDOUT, env=env), log
 
 
 def stop(process: subprocess.Popen) -> None:
     """Terminated, else killed; waited for."""
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    ended(process)
 
 
 def post(url: str, body: dict, timeout: float = 120) -> dict:
