@@ -148,6 +148,7 @@ def serve(path: str) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # (its socket and stub: no one else's)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, end)
