@@ -13,6 +13,7 @@ import grpc
 import pytest
 from conftest import assert_holds_nothing, assert_same_bits, seeded_tensors
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from handoff_client import (
     AlreadyClaimed,
@@ -258,7 +259,9 @@ def test_drain_refuses_new_work_and_hands_over_what_it_holds_before_it_stops(sta
         stopping = threading.Thread(target=lambda: result.update(stats=broker.stop(grace=3)))
         result: dict = {}
         stopping.start()
-        wait_until(lambda: broker.health._server_status.get("") == 2)  # NOT_SERVING
+        health = health_pb2_grpc.HealthStub(channel)
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == not_serving)
         error = raises_handoff_error(client.push, DEMO, "new", 1, unclaimed)
         assert isinstance(error, BrokerUnavailable) and error.reason == "DRAINING"
         error = raises_handoff_error(client.pull, DEMO, "not-here", timeout=2)
