@@ -23,6 +23,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         sys.modules["engine_zygote"].start()
 
 
+@pytest.hookimpl(trylast=True)  # (after pytest's runner has torn down what -x or Ctrl-C left set up)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """The zygote stopped, with any engine forked from it still running (each test's own are stopped already)."""
     if "engine_zygote" in sys.modules:

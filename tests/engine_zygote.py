@@ -18,7 +18,10 @@ engine's settings (vLLM reads its environment when an engine starts: VLLM_CPU_OM
 The processes vLLM starts from an engine go through the stub too: multiprocessing's spawn (vLLM's CPU build spawns
 each TP rank and `vllm serve`'s engine core) and the model-class inspection (vLLM's registry keeps its command in
 `_SUBPROCESS_COMMAND` to be changed where needed).
-HANDOFF_TEST_ZYGOTE=0 turns it off (each engine a fresh interpreter, as before); a zygote that fails to start does too.
+An engine ends with its zygote too (PR_SET_PDEATHSIG), and a request that fails (its stub gone before it was
+served, a failed fork) fails alone: the zygote serves the next.
+HANDOFF_TEST_ZYGOTE=0 turns it off (each engine a fresh interpreter, as before); a zygote that fails to start, or
+has ended since, does too.
 """
 
 from __future__ import annotations
@@ -77,18 +80,38 @@ def start() -> None:
 
 
 def _ready(timeout: float = 300) -> str | None:
-    """The zygote's socket once it has printed ready; None if it is off or failed (then every engine starts afresh)."""
+    """The zygote's socket once it has printed a line `ready` (after whatever its imports print); None if it is off,
+    failed or has ended since (then every engine starts afresh)."""
     start()
     with _lock:
         if not _zygote:
             return None
+        process = _zygote["process"]
         if _zygote["ready"] is None:
-            process = _zygote["process"]
-            readable, _, _ = select.select([process.stdout], [], [], timeout)
-            _zygote["ready"] = bool(readable) and process.stdout.readline().strip() == b"ready"
+            output = _output_until_ready(process.stdout.fileno(), time.monotonic() + timeout)
+            _zygote["ready"] = b"\nready\n" in b"\n" + output
             if not _zygote["ready"]:
-                print(f"engine_zygote: no zygote, engines start afresh: {_log_tail()}", file=sys.stderr)
+                print(f"engine_zygote: no zygote, engines start afresh: {output[-1000:]!r} {_log_tail()}",
+                      file=sys.stderr)  # fmt: skip
+        elif _zygote["ready"] and (process.poll() is not None or not os.path.exists(_zygote["socket"])):
+            _zygote["ready"] = False
+            print(f"engine_zygote: the zygote ended ({process.returncode}), later engines start afresh: "
+                  f"{_log_tail()}", file=sys.stderr)  # fmt: skip
         return _zygote["socket"] if _zygote["ready"] else None
+
+
+def _output_until_ready(fd: int, deadline: float) -> bytes:
+    """What the zygote printed, read until a line `ready`, its end (EOF) or `deadline` (time.monotonic)."""
+    output = b""
+    while b"\nready\n" not in b"\n" + output:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        output += chunk
+    return output
 
 
 def _log_tail() -> str:
@@ -141,8 +164,13 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     children: dict[int, socket.socket] = {}
+    zygote = os.getpid()
 
     def end(*_: object) -> None:
+        if os.getpid() != zygote:  # (a fork before its own handlers: never, SIGTERM being blocked over each fork)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         for pid in children:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -167,10 +195,14 @@ def serve(path: str) -> None:
         if os.getppid() != parent:  # the tests' process is gone
             end()
         if readable:
-            connection, _ = listener.accept()
-            pid = _fork([listener, *children.values()], connection, python)
-            if pid:
-                children[pid] = connection
+            connection = None
+            try:  # (a stub gone before its request or its answer, a failed fork: that stub's alone; the next is served)
+                connection, _ = listener.accept()
+                _fork([listener, *children.values()], connection, python, children)
+            except (OSError, ValueError) as error:
+                print(f"engine_zygote: a request failed, the zygote goes on: {error!r}", file=sys.stderr, flush=True)
+                if connection is not None:
+                    connection.close()
         while children:  # reaped: each ended child's status to its stub
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -187,27 +219,53 @@ def serve(path: str) -> None:
                 connection.close()
 
 
-def _fork(others: list[socket.socket], connection: socket.socket, python: str) -> int:
+def _fork(
+    others: list[socket.socket], connection: socket.socket, python: str, children: dict[int, socket.socket]
+) -> int:
     """A child running the request on `connection` (its argv, environment, directory and descriptors), closing the
-    zygote's `others` sockets; the child's pid, sent to the stub too (0 where the request could not be read)."""
+    zygote's `others` sockets, recorded in `children`; the child's pid, sent to the stub too (0 where the request
+    could not be read). SIGTERM and SIGINT are blocked over the fork: one the stub forwards at once waits in the child
+    until the child's own handlers are set (never the zygote's, which would end its siblings)."""
+    connection.settimeout(60)  # (a stub stopped before its request holds the zygote no longer)
     message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 250)
-    request = json.loads(message)
-    if len(fds) != len(request["fds"]):
+    connection.settimeout(None)
+    try:
+        request = json.loads(message)
+        complete = len(fds) == len(request["fds"])
+    except (ValueError, TypeError, KeyError):  # (b"": the stub ended before its request)
+        complete = False
+    if not complete:
         for fd in fds:
             os.close(fd)
         connection.close()
         return 0
-    pid = os.fork()
-    if pid:
+    parent = os.getpid()
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         for fd in fds:
             os.close(fd)
-        connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        raise
+    if pid:
+        try:
+            children[pid] = connection
+            for fd in fds:
+                os.close(fd)
+            connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        except OSError:
+            pass  # (the stub is gone: the child's lifeline ends it, reaped as any other)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         return pid
     try:
+        _die_with(parent)
         for other in others:
             other.close()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         lifeline = _descriptors(dict(zip(request["fds"], fds, strict=True)), connection)
         # text streams over the stub's descriptors, for the process's life (line-buffered as python's are)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
@@ -238,6 +296,18 @@ def _fork(others: list[socket.socket], connection: socket.socket, python: str) -
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def _die_with(parent: int) -> None:
+    """This process killed when `parent` (the zygote) ends, however it ends (PR_SET_PDEATHSIG); ended now if it has."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, ctypes.c_ulong(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # (no prctl: the stub's lifeline still ends the engine with its stub)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _descriptors(wanted: dict[int, int], connection: socket.socket) -> socket.socket:
