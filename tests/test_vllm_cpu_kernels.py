@@ -156,12 +156,12 @@ def test_the_attention_isa_is_the_one_vllm_gave_the_layer_else_vllms_own_decisio
 
 def test_where_vllm_runs_its_amx_kernel_amx_is_granted_at_start_up_or_the_connector_refuses_naming_it():
     require_amx({"vec", "vec16", None}, "m")  # no AMX kernel: Linux is not asked
-    if torch.cpu._is_amx_tile_supported():  # an AMX CPU: Linux grants it (5.16 and later), and start-up goes on
-        require_amx({"amx"}, "m")
+    if torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx():  # an AMX CPU, Linux granting it (5.16 and
+        require_amx({"amx"}, "m")  # later, no seccomp filter refusing it): start-up goes on
         return
     with pytest.raises(RuntimeError, match=r"m: vLLM runs its AMX attention kernel here .*amx_tile.* Linux did not "
                                            r"grant this process AMX state \(arch_prctl ARCH_REQ_XCOMP_PERM"):  # fmt: skip
-        require_amx({"amx", "vec"}, "m")  # this CPU has no AMX: Linux refuses for real
+        require_amx({"amx", "vec"}, "m")  # this CPU has no AMX, or Linux refuses it (before 5.16, seccomp): for real
 
 
 def test_on_a_cpu_with_amx_tiles_linux_is_asked_at_start_up_whatever_kernel_the_attention_runs(monkeypatch, caplog):
