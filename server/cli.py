@@ -29,6 +29,7 @@ from .flags import (
     parse_bytes,
     port,
     port_or_none,
+    port_to_ask,
     positive_seconds,
     seconds,
 )
@@ -221,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     health = subcommands.add_parser("health", help="ask a broker's gRPC health service; exit 0 when SERVING")
     _add_connection_flags(health)
     health.add_argument("--timeout", type=positive_seconds, default=3.0, help="seconds to wait for the answer (3)")
-    health.add_argument("--health-port", type=port_or_none, metavar="PORT",
+    health.add_argument("--health-port", type=port_to_ask, metavar="PORT",
                         help="ask the broker's health port (serve --health-port) on --target's host instead: "
                         "plaintext, the TLS flags unused; -1: the main port (a broker serving none)")  # fmt: skip
     health.add_argument("--service", default="", type=_health_service,

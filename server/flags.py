@@ -5,7 +5,8 @@ A value passes through one of these however it is given: on the command line (ar
 and the key). Each refusal is one line; none is a traceback.
 
 Invariants of what passes:
-- a port is an integer 0..65535 (0: any free one); `--metrics-port` also takes -1, no endpoint;
+- a port is an integer 0..65535 (0: any free one); `--metrics-port` also takes -1, no endpoint; a port to ask
+  (`health --health-port`) is 1..65535 (0 is no port a broker listens on), or -1: the main port;
 - a duration is a finite number of seconds, at most MAX_SECONDS; above 0 where 0 would end at once what must last
   (`--ttl`, `--lease`, `--idle-timeout`, `--push-deadline`, keepalives, timeouts), 0 or more where 0 means "none"
   (`--grace`, `--resume-window`, `--trim-after`, `--interval`);
@@ -41,6 +42,14 @@ def port_or_none(text: str) -> int:
     value = _integer(text)
     if value is None or not -1 <= value <= MAX_PORT:
         raise argparse.ArgumentTypeError(f"`{text}` is not a port: 0..{MAX_PORT} (0: any free one), or -1 for none")
+    return value
+
+
+def port_to_ask(text: str) -> int:
+    """A port to connect to, 1..65535, or -1: none (`health --health-port`: the main port then)."""
+    value = _integer(text)
+    if value is None or not (value == -1 or 1 <= value <= MAX_PORT):
+        raise argparse.ArgumentTypeError(f"`{text}` is not a port to ask: 1..{MAX_PORT}, or -1 for the main port")
     return value
 
 

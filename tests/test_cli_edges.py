@@ -44,6 +44,15 @@ def test_a_port_outside_0_to_65535_is_refused_naming_the_flag(capsys, flag, valu
     assert f"argument {flag}: `{value}` is not a port: 0..65535" in err
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "65536", "x"])
+def test_health_asks_a_port_it_can_connect_to_or_the_main_one(capsys, value):
+    """Fails before the fix: `health --health-port 0` was accepted and asked port 0 (serve's 0, any free port, is
+    no port to ask)."""
+    err = refusal(capsys, "health", "--health-port", value)
+    assert f"argument --health-port: `{value}` is not a port to ask: 1..65535, or -1 for the main port" in err
+    assert [build_parser().parse_args(["health", "--health-port", v]).health_port for v in ("1", "-1")] == [1, -1]
+
+
 @pytest.mark.parametrize(
     ("flag", "value"),
     [("--ttl", "-5"), ("--ttl", "nan"), ("--ttl", "inf"), ("--ttl", "0"), ("--grace", "-1"), ("--idle-timeout", "-3"),
